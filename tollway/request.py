@@ -1,0 +1,82 @@
+"""A request as the engine tracks it: prompt, sampling parameters, progress, timestamps."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """OpenAI/vLLM-style sampling parameters. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a one-line message for any bad value."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be between 0 and 20, got {self.logprobs!r}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+        ]
+        if vocab_size is not None:
+            checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size})"))
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tier: str = "standard"
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED

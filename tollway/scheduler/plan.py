@@ -1,0 +1,84 @@
+"""StepPlan and StepResult: the whole contract between the scheduler and the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tollway.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute KV for `token_ids` at positions start_pos..,
+    then sample the next token if `sample` (the chunk reaches the end of the known tokens)."""
+
+    request_id: str
+    tier: str
+    token_ids: tuple[int, ...]
+    start_pos: int  # tokens already in the KV cache before this step
+    block_table: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new == 1 and self.start_pos > 0
+
+    def __str__(self) -> str:
+        kind = "decode" if self.is_decode else f"prefill {self.start_pos}..{self.context_len}"
+        return f"{self.request_id}[{self.tier}] {kind}"
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    seqs: list[ScheduledSeq]
+    kernel: str  # "int8" | "bf16" | "fp32": which linear-layer kernel the runner uses
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs if not s.is_decode)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(s.context_len for s in self.seqs)
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step_id}: {self.num_decode} decode"]
+        prefills = [s for s in self.seqs if not s.is_decode]
+        if prefills:
+            parts.append(f"+ {len(prefills)} prefill ({self.num_prefill_tokens} tok)")
+        parts.append(f"over {self.context_tokens} ctx, kernel {self.kernel}")
+        if self.preempted:
+            parts.append(f"; preempted {', '.join(self.preempted)}")
+        return " ".join(parts)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    tokens: dict[str, SampledToken]  # only for sequences with sample=True
+    seconds: float
