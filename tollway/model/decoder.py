@@ -1,0 +1,25 @@
+"""What every architecture exposes to the runner."""
+from __future__ import annotations
+
+import torch
+
+from tollway.model.layers import AttentionMetadata, KVCache, Linear
+
+
+class DecoderModel:
+    """A decoder-only LM: `forward` maps a step's tokens to final hidden states,
+    `logits` applies the LM head to the rows that sample."""
+
+    num_layers: int
+    lm_head: Linear
+    final_logit_softcapping: float | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+                meta: AttentionMetadata, kernel: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        out = self.lm_head(hidden, kernel)
+        if self.final_logit_softcapping:
+            out = torch.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping
+        return out

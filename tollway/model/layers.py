@@ -1,0 +1,209 @@
+"""Building blocks shared by the architectures: norms, rotary, kernel-selectable linear, paged attention, MLP.
+
+The residual stream and all norms stay in float32; only the matmul inputs change
+dtype with the step's kernel, so the kernel choice is a per-step decision.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    # offset 1.0 gives Gemma's x * (1 + w); 0.0 gives Llama's x * w (weights are stored HF-style).
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32 * (weight + offset) if offset else x32 * weight
+
+
+class Linear:
+    """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device):
+        w = weight.float()
+        self.out_features = w.shape[0]
+        self.bias = bias.float().to(device) if bias is not None else None
+        self.fp32 = w.to(device) if "fp32" in kernels else None
+        self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
+        self.int8 = self.int8_scales = None
+        if "int8" in kernels:
+            self.int8, self.int8_scales = quantize_int8(w)
+            self.int8, self.int8_scales = self.int8.to(device), self.int8_scales.to(device)
+
+    def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "fp32":
+            y = F.linear(x, self.fp32)
+        elif kernel == "bf16":
+            y = F.linear(x.to(torch.bfloat16), self.bf16).float()
+        else:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.int8, self.int8_scales).float()
+        return y + self.bias if self.bias is not None else y
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8; scales are bf16 as the int8 matmul kernel wants."""
+    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)
+    q = torch.round(w / scales.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+class Rotary:
+    """cos/sin tables for rotate-half RoPE, computed in float32 the way transformers does."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * attention_factor).to(device)
+        self.sin = (emb.sin() * attention_factor).to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+@dataclass
+class AttentionView:
+    """Which cached keys one group of queries reads, for one layer type (full or sliding)."""
+
+    slots: torch.Tensor  # [B, L] flat cache slots to gather
+    bias: torch.Tensor  # [B, 1, n, L] additive mask: 0 or -inf
+
+
+@dataclass
+class PrefillSpan:
+    row_start: int  # first row of this sequence's tokens in the step
+    num_rows: int
+    views: dict[str, AttentionView]  # layer type -> view (B = 1)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decode: int  # rows 0..num_decode-1 are single-token decodes
+    decode_views: dict[str, AttentionView]  # layer type -> [num_decode, 1, 1, L]
+    prefills: list[PrefillSpan]
+
+
+class KVCache:
+    """One layer's paged K and V: [num_blocks * block_size, kv_heads, head_dim] flat slots."""
+
+    def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, D], already rotated
+    k: torch.Tensor,  # [T, kv_heads, D]
+    v: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    layer_type: str,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
+    cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        rows = slice(0, meta.num_decode)
+        out[rows] = _attend(q[rows].unsqueeze(1), cache, meta.decode_views[layer_type], scale, softcap).squeeze(1)
+    for span in meta.prefills:
+        rows = slice(span.row_start, span.row_start + span.num_rows)
+        out[rows] = _attend(q[rows].unsqueeze(0), cache, span.views[layer_type], scale, softcap).squeeze(0)
+    return out
+
+
+def _attend(q: torch.Tensor, cache: KVCache, view: AttentionView, scale: float, softcap: float | None) -> torch.Tensor:
+    """q: [B, n, heads, D] against the gathered keys of `view`; returns [B, n, heads, D]."""
+    b, n, heads, d = q.shape
+    kv_heads = cache.k.shape[1]
+    group = heads // kv_heads
+    length = view.slots.shape[1]
+    flat = view.slots.reshape(-1)
+    keys = cache.k.index_select(0, flat).view(b, length, kv_heads, d).float()
+    values = cache.v.index_select(0, flat).view(b, length, kv_heads, d).float()
+    # [B, kv, group*n, D] @ [B, kv, D, L]: the query heads of a KV group share one matmul.
+    qg = q.view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, d)
+    scores = (qg @ keys.permute(0, 2, 3, 1)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, group, n, length) + view.bias.unsqueeze(1)
+    probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * n, length)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, kv, group*n, D]
+    return out.view(b, kv_heads, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, heads, d)
+
+
+class Attention:
+    """q/k/v projections, optional QK-norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, t: dict, prefix: str, cfg, layer_type: str, rotary: Rotary, kernels: set[str], device):
+        def lin(name):
+            return Linear(t[f"{prefix}.{name}.weight"], t.get(f"{prefix}.{name}.bias"), kernels, device)
+
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = lin("q_proj"), lin("k_proj"), lin("v_proj"), lin("o_proj")
+        self.q_norm = t[f"{prefix}.q_norm.weight"].float().to(device) if cfg.qk_norm else None
+        self.k_norm = t[f"{prefix}.k_norm.weight"].float().to(device) if cfg.qk_norm else None
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps, self.norm_offset = cfg.rms_norm_eps, cfg.norm_offset
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        self.scale = scalar**-0.5
+        self.softcap = cfg.attn_logit_softcapping
+        self.layer_type = layer_type
+        self.rotary = rotary
+
+    def __call__(self, x, positions, cache: KVCache, meta: AttentionMetadata, kernel: str) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x, kernel).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x, kernel).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x, kernel).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps, self.norm_offset)
+            k = rms_norm(k, self.k_norm, self.eps, self.norm_offset)
+        q = self.rotary(q, positions)
+        k = self.rotary(k, positions)
+        out = paged_attention(q, k, v, cache, meta, self.layer_type, self.scale, self.softcap)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim), kernel)
+
+
+class MLP:
+    def __init__(self, t: dict, prefix: str, activation: str, kernels: set[str], device):
+        def lin(name):
+            return Linear(t[f"{prefix}.{name}.weight"], None, kernels, device)
+
+        self.gate, self.up, self.down = lin("gate_proj"), lin("up_proj"), lin("down_proj")
+        self.act = (lambda g: F.gelu(g, approximate="tanh")) if activation == "gelu_tanh" else F.silu
+
+    def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        return self.down(self.act(self.gate(x, kernel)) * self.up(x, kernel), kernel)

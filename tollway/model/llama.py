@@ -1,0 +1,40 @@
+"""The Llama family by config: Llama 3, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (QK-norm).
+Pre-norm blocks, SiLU-gated MLP, plain RMSNorm."""
+from __future__ import annotations
+
+import torch
+
+from tollway.model.decoder import DecoderModel
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, rms_norm
+
+
+class LlamaLayer:
+    def __init__(self, t, i, cfg, rotary, kernels, device):
+        p = f"model.layers.{i}"
+        self.attn = Attention(t, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, kernels, device)
+        self.mlp = MLP(t, f"{p}.mlp", cfg.hidden_act, kernels, device)
+        self.input_norm = t[f"{p}.input_layernorm.weight"].float().to(device)
+        self.post_norm = t[f"{p}.post_attention_layernorm.weight"].float().to(device)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x, positions, cache, meta, kernel):
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps, 0.0), positions, cache, meta, kernel)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, 0.0), kernel)
+
+
+class LlamaModel(DecoderModel):
+    def __init__(self, cfg, tensors: dict[str, torch.Tensor], kernels: set[str], max_positions: int, device):
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device)
+        self.layers = [LlamaLayer(tensors, i, cfg, rotary, kernels, device) for i in range(cfg.num_layers)]
+        self.num_layers = cfg.num_layers
+        self.embed = tensors["model.embed_tokens.weight"].float().to(device)
+        self.final_norm = tensors["model.norm.weight"].float().to(device)
+        self.eps = cfg.rms_norm_eps
+        head = tensors["model.embed_tokens.weight"] if cfg.tie_word_embeddings else tensors["lm_head.weight"]
+        self.lm_head = Linear(head, None, kernels, device)
+
+    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
+        x = self.embed[input_ids]
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, positions, cache, meta, kernel)
+        return rms_norm(x, self.final_norm, self.eps, 0.0)
