@@ -1,0 +1,3 @@
+from tollway.cli import main
+
+raise SystemExit(main())

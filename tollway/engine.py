@@ -1,0 +1,107 @@
+"""Engine: the synchronous step loop that ties scheduler, runner and text together."""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import torch
+
+from tollway.config import EngineConfig
+from tollway.model.runner import ModelRunner
+from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tollway.model.weights import load_weights
+from tollway.outputs import RequestOutput
+from tollway.request import Request, SamplingParams
+from tollway.scheduler.plan import StepPlan
+from tollway.scheduler.scheduler import Scheduler
+from tollway.text_stream import TextStream
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True):
+        config = config or EngineConfig()
+        sched = config.scheduler
+        sched.validate()
+        started = time.perf_counter()
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        loaded = load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer.load(loaded.tokenizer_path) if loaded.tokenizer_path else None
+        sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
+        if self.device.type == "cuda" and sched.kernel == "auto":
+            sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
+        kernels = {sched.kernel} if sched.kernel != "auto" else {"int8", sched.dense_kernel} - (
+            {"int8"} if sched.int8_max_tokens == 0 else set())
+        self.config = config
+        self.runner = ModelRunner(self.model_config, loaded.tensors, sched, self.device, kernels)
+        self.scheduler = Scheduler(sched)
+        self.streams: dict[str, TextStream] = {}
+        self._ids = itertools.count()
+        self.load_seconds = time.perf_counter() - started
+        self.last_plan: StepPlan | None = None
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, tier: str = "standard",
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.scheduler.add(Request(request_id, ids, params, tier=tier, eos_token_ids=tuple(eos)))
+        if self.tokenizer is not None:
+            self.streams[request_id] = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.streams.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.plan()
+        self.last_plan = plan
+        if not plan.seqs:
+            return []
+        result = self.runner.execute(plan)
+        outputs = []
+        for req in self.scheduler.commit(plan, result):
+            new_ids = [result.tokens[req.request_id].token_id] if req.request_id in result.tokens else []
+            stream = self.streams.get(req.request_id)
+            if stream is not None and new_ids:
+                if stream.push(new_ids[0]) and not req.finished:
+                    self.scheduler.finish(req.request_id, "stop")
+            out = RequestOutput(
+                request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
+                token_ids=list(req.output_token_ids), new_token_ids=new_ids,
+                logprobs=req.output_logprobs, finished=req.finished, finish_reason=req.finish_reason,
+                num_cached_prompt_tokens=req.num_cached_prompt_tokens,
+            )
+            if stream is not None:
+                out.new_text = stream.release(req.finished)
+                out.text = stream.text[: stream.released]
+            if req.finished:
+                self.streams.pop(req.request_id, None)
+            outputs.append(out)
+        return outputs
