@@ -24,7 +24,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device):
         w = weight.float()
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
         self.fp32 = w.to(device) if "fp32" in kernels else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None

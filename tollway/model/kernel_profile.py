@@ -1,0 +1,53 @@
+"""Time every linear layer plus the LM head per kernel and step size.
+
+This is the matmul-only floor of a step, and it is how `kernel="auto"` learns the
+step size at which the int8 weight-only kernel stops beating the dense one
+(a GEMV-style kernel wins while memory-bound, loses once compute-bound).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tollway.model.decoder import DecoderModel
+from tollway.model.layers import Linear
+
+
+def model_linears(model: DecoderModel) -> list[Linear]:
+    found = []
+    for layer in model.layers:
+        found += [layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
+                  layer.mlp.gate, layer.mlp.up, layer.mlp.down]
+    return found + [model.lm_head]
+
+
+@torch.inference_mode()
+def matmul_floor_seconds(model: DecoderModel, kernel: str, num_tokens: int, repeats: int = 3) -> float:
+    """Best-of-`repeats` time for one pass through every linear layer at `num_tokens` rows."""
+    linears = model_linears(model)
+    device = model.embed.device
+    inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, device=device) for lin in linears}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for lin in linears:
+            lin(inputs[lin.in_features], kernel)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def int8_crossover(model: DecoderModel, dense_kernel: str, sizes=(1, 2, 4, 8, 16, 32)) -> tuple[int, dict]:
+    """Largest step size (tokens) up to which int8 is at least as fast as `dense_kernel`, with the timings."""
+    timings = {}
+    crossover = 0
+    for n in sizes:
+        t_int8 = matmul_floor_seconds(model, "int8", n)
+        t_dense = matmul_floor_seconds(model, dense_kernel, n)
+        timings[n] = {"int8": t_int8, dense_kernel: t_dense}
+        if t_int8 > t_dense:
+            break
+        crossover = n
+    return crossover, timings
