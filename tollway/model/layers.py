@@ -11,6 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Keys are processed in blocks aligned to absolute position 0, and query rows are padded
+# to a multiple of 8 (below that, the CPU GEMM picks other kernels). Every sum then runs in
+# the same order whatever else shares the step, so batching and chunking never change a
+# result bit: the padding only ever adds exact zeros.
+ATTENTION_BLOCK = 128
+_ROW_MULTIPLE = 8
+
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     # offset 1.0 gives Gemma's x * (1 + w); 0.0 gives Llama's x * w (weights are stored HF-style).
@@ -35,12 +43,21 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "fp32":
-            y = F.linear(x, self.fp32)
+            y = _padded_rows(x, lambda rows: F.linear(rows, self.fp32))
         elif kernel == "bf16":
             y = F.linear(x.to(torch.bfloat16), self.bf16).float()
         else:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.int8, self.int8_scales).float()
         return y + self.bias if self.bias is not None else y
+
+
+def _padded_rows(x: torch.Tensor, fn) -> torch.Tensor:
+    # fp32 GEMM rows come out bit-identical only for row counts that are multiples of 8
+    # (measured with MKL on this CPU), so pad to keep results independent of the batch.
+    pad = -x.shape[0] % _ROW_MULTIPLE
+    if not pad:
+        return fn(x)
+    return fn(torch.cat([x, x.new_zeros(pad, x.shape[1])]))[: x.shape[0]]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +111,7 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch
 class AttentionView:
     """Which cached keys one group of queries reads, for one layer type (full or sliding)."""
 
-    slots: torch.Tensor  # [B, L] flat cache slots to gather
+    slots: torch.Tensor  # [B, L] flat cache slots; L a multiple of ATTENTION_BLOCK, starting at an aligned position
     bias: torch.Tensor  # [B, 1, n, L] additive mask: 0 or -inf
 
 
@@ -151,17 +168,30 @@ def _attend(q: torch.Tensor, cache: KVCache, view: AttentionView, scale: float, 
     kv_heads = cache.k.shape[1]
     group = heads // kv_heads
     length = view.slots.shape[1]
+    blocks = length // ATTENTION_BLOCK
+    rows = group * n
+    pad = -rows % _ROW_MULTIPLE
     flat = view.slots.reshape(-1)
     keys = cache.k.index_select(0, flat).view(b, length, kv_heads, d).float()
     values = cache.v.index_select(0, flat).view(b, length, kv_heads, d).float()
-    # [B, kv, group*n, D] @ [B, kv, D, L]: the query heads of a KV group share one matmul.
-    qg = q.view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, d)
-    scores = (qg @ keys.permute(0, 2, 3, 1)) * scale
+    # The query heads of one KV group share a matmul: [B, kv, group*n (+pad), D] @ [B, kv, D, L].
+    qg = q.view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rows, d)
+    if pad:
+        qg = torch.cat([qg, qg.new_zeros(b, kv_heads, pad, d)], dim=2)
+    scores = (qg @ keys.permute(0, 2, 3, 1))[:, :, :rows] * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, group, n, length) + view.bias.unsqueeze(1)
-    probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * n, length)
-    out = probs @ values.permute(0, 2, 1, 3)  # [B, kv, group*n, D]
+    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).view(b, kv_heads, rows, blocks, ATTENTION_BLOCK)
+    if pad:
+        probs = torch.cat([probs, probs.new_zeros(b, kv_heads, pad, blocks, ATTENTION_BLOCK)], dim=2)
+    probs = probs.permute(0, 1, 3, 2, 4)  # [B, kv, blocks, rows, block]
+    partial = probs @ values.view(b, blocks, ATTENTION_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4)
+    partial_sums = probs.sum(dim=-1)
+    out, total = partial[:, :, 0], partial_sums[:, :, 0]
+    for i in range(1, blocks):
+        out, total = out + partial[:, :, i], total + partial_sums[:, :, i]
+    out = (out / total.unsqueeze(-1))[:, :, :rows]
     return out.view(b, kv_heads, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, heads, d)
 
 

@@ -9,7 +9,7 @@ from tollway.config import SchedulerConfig
 from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
-from tollway.model.layers import AttentionMetadata, AttentionView, KVCache, PrefillSpan
+from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, KVCache, PrefillSpan
 from tollway.model.llama import LlamaModel
 from tollway.model.sampling import sample
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
@@ -81,36 +81,34 @@ class ModelRunner:
     def _layer_types(self):
         return ("full", "sliding") if self.window else ("full",)
 
-    def _decode_views(self, decodes: list[ScheduledSeq]) -> dict[str, AttentionView]:
+    def _view(self, tables: list[tuple[int, ...]], q_pos: torch.Tensor, kind: str) -> AttentionView:
+        """Keys for a group of sequences whose query rows sit at positions q_pos [B, n].
+        Keys start at a block-aligned position so padding never reorders a sum."""
         dev, bs = self.device, self.block_size
-        ctx = torch.tensor([s.context_len for s in decodes], device=dev)
-        width = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in decodes],
-                              dtype=torch.long, device=dev)
-        views = {}
-        for kind in self._layer_types():
-            first = (ctx - self.window).clamp(min=0) if kind == "sliding" else torch.zeros_like(ctx)
-            length = int((ctx - first).max())
-            key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
-            valid = key_pos < ctx.unsqueeze(1)
-            key_pos = torch.where(valid, key_pos, 0)
-            slot = tables.gather(1, key_pos // bs) * bs + key_pos % bs
-            bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
-            views[kind] = AttentionView(slot, bias.view(len(decodes), 1, 1, length))
-        return views
+        width = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        last = q_pos.amax(dim=1)  # [B]
+        if kind == "sliding":
+            first = (q_pos.amin(dim=1) - self.window + 1).clamp(min=0) // ATTENTION_BLOCK * ATTENTION_BLOCK
+        else:
+            first = torch.zeros_like(last)
+        span = int((last + 1 - first).max())
+        length = -(-span // ATTENTION_BLOCK) * ATTENTION_BLOCK
+        key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
+        in_table = key_pos <= last.unsqueeze(1)
+        slot_pos = torch.where(in_table, key_pos, 0)
+        slots = table.gather(1, slot_pos // bs) * bs + slot_pos % bs
+        allowed = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, L]
+        if kind == "sliding":
+            allowed &= key_pos.unsqueeze(1) > q_pos.unsqueeze(2) - self.window
+        bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+        return AttentionView(slots, bias.unsqueeze(1))
+
+    def _decode_views(self, decodes: list[ScheduledSeq]) -> dict[str, AttentionView]:
+        q_pos = torch.tensor([[s.start_pos] for s in decodes], device=self.device)
+        tables = [s.block_table for s in decodes]
+        return {kind: self._view(tables, q_pos, kind) for kind in self._layer_types()}
 
     def _prefill_views(self, s: ScheduledSeq) -> dict[str, AttentionView]:
-        dev, bs = self.device, self.block_size
-        table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
-        q_pos = torch.arange(s.start_pos, s.context_len, device=dev).unsqueeze(1)  # [n, 1]
-        views = {}
-        for kind in self._layer_types():
-            first = max(0, s.start_pos - self.window + 1) if kind == "sliding" else 0
-            key_pos = torch.arange(first, s.context_len, device=dev)
-            allowed = key_pos.unsqueeze(0) <= q_pos
-            if kind == "sliding":
-                allowed &= key_pos.unsqueeze(0) > q_pos - self.window
-            bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
-            slot = table[key_pos // bs] * bs + key_pos % bs
-            views[kind] = AttentionView(slot.unsqueeze(0), bias.view(1, 1, *allowed.shape))
-        return views
+        q_pos = torch.arange(s.start_pos, s.context_len, device=self.device).unsqueeze(0)
+        return {kind: self._view([s.block_table], q_pos, kind) for kind in self._layer_types()}

@@ -1,0 +1,227 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenization.
+
+At run time only the `tokenizers` library is used (a tokenizer.json loads in about two seconds).
+A GGUF file carries its tokenizer as metadata; `save_gguf_tokenizer` turns that into tokenizer
+files once, when the weights are converted, because transformers' converter is slow.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.processors import TemplateProcessing
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+_REPLACEMENT = "\ufffd"
+# Gemma's turn markers; a vocabulary that has them gets Gemma's chat format when it has no template.
+_START_OF_TURN, _END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None, eos_token_ids: Iterable[int] = (),
+                 chat_template: str | None = None):
+        self._backend = backend
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        eos = list(eos_token_ids)
+        if eos_token and backend.token_to_id(eos_token) is not None:
+            eos.append(backend.token_to_id(eos_token))
+        # Chat replies of Gemma models end with <end_of_turn>, not <eos>.
+        self._gemma_turns = backend.token_to_id(_START_OF_TURN) is not None and backend.token_to_id(_END_OF_TURN) is not None
+        if self._gemma_turns:
+            eos.append(backend.token_to_id(_END_OF_TURN))
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self._template = _jinja_env().from_string(chat_template) if chat_template else None
+        # Byte-fallback tokens (<0x00>..<0xFF>): text decoded from a run of them can change as the run grows.
+        byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(backend.model, "byte_fallback", False) else ()
+        self._byte_token_ids = frozenset(i for i in byte_ids if i is not None)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """From a folder with tokenizer.json, and optionally tokenizer_config.json,
+        generation_config.json and chat_template.jinja (an HF folder or a converted-weights cache)."""
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # older multi-template form: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it beside the config
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            eos_token_ids=[eos] if isinstance(eos, int) else eos or (),
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model wants it.
+        Encode a rendered chat template with add_special_tokens=False: the template writes BOS itself."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for an OpenAI-style message list, in the model's own chat format."""
+        if self._template is not None:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+            )
+        if self._gemma_turns:
+            return _gemma_prompt(messages, add_generation_prompt, self._bos_token or "")
+        raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas as they arrive.
+
+    The deltas, joined (with `flush()` last), equal decode(prompt_ids + ids) minus decode(prompt_ids):
+    plain decode(ids) without a prompt. Text is held back while it could still change: while it ends
+    in U+FFFD (a multi-byte character not complete yet) and while it ends in byte-fallback tokens,
+    whose group `tokenizers` decodes as a whole (a later byte can turn the group into U+FFFDs).
+    """
+
+    # Prompt tokens decoded ahead of the first output token, so that its leading space survives
+    # decoders that strip the first token's space.
+    _PROMPT_CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids)[-self._PROMPT_CONTEXT:]
+        self._window_start = 0  # decoding starts here: the tokens before the emitted ones serve as context
+        self._emitted = len(self._ids)  # ids before this index are accounted for in the text returned so far
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final (often "", sometimes several characters)."""
+        self._ids.append(token_id)
+        end = len(self._ids)
+        while end > self._emitted and self._ids[end - 1] in self._tokenizer._byte_token_ids:
+            end -= 1
+        return self._advance(end, final=False)
+
+    def flush(self) -> str:
+        """Return whatever is held back; call once the sequence has finished."""
+        return self._advance(len(self._ids), final=True)
+
+    def _advance(self, end: int, final: bool) -> str:
+        if end <= self._emitted:
+            return ""
+        text = self._decode(self._ids[self._window_start:end])
+        if text.endswith(_REPLACEMENT) and not final:
+            return ""
+        seen = self._decode(self._ids[self._window_start:self._emitted])
+        self._window_start, self._emitted = self._emitted, end
+        return text[len(seen):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def save_gguf_tokenizer(gguf_path: Path, reader: GGUFReader, folder: Path) -> bool:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json for the tokenizer in a
+    GGUF file's metadata into `folder`. Returns False when the file has no tokenizer. Slow (seconds)."""
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return False
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, spec, config = get_gguf_tokenizer(str(gguf_path))
+    backend, _ = convert_gguf_tokenizer(architecture, spec)
+    bos, eos = config.get("bos_token"), config.get("eos_token")
+    # The converter leaves BOS/EOS insertion to the transformers class around it; put it in tokenizer.json.
+    template = ([bos] if config.get("add_bos_token") and bos else []) + ["$A"] + ([eos] if config.get("add_eos_token") and eos else [])
+    backend.post_processor = TemplateProcessing(
+        single=" ".join(template),
+        special_tokens=[(t, backend.token_to_id(t)) for t in template if t != "$A"],
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {k: config.get(k) for k in ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template")}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    eos_ids = [reader.fields[key].contents() for key in
+               ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+               if key in reader.fields]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
+    return True
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    """HF configs spell a special token as a string or as an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The environment HF chat templates are written against."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt text.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+def _gemma_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str) -> str:
+    """Gemma's chat format. Gemma has no system role: a system message prefixes the first user turn."""
+    system = ""
+    if messages and messages[0].get("role") == "system":
+        system = _content_text(messages[0], trim=False) + "\n\n"
+        messages = messages[1:]
+    if not messages:
+        raise ValueError("chat messages must include at least one user message")
+    parts = [bos]
+    for i, message in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message.get("role") != expected:
+            raise ValueError(
+                f"chat message {i}: expected role {expected!r}, got {message.get('role')!r} "
+                "(after an optional system message, roles alternate user/assistant)"
+            )
+        role = "user" if expected == "user" else "model"
+        prefix = system if i == 0 else ""
+        parts.append(f"{_START_OF_TURN}{role}\n{prefix}{_content_text(message, trim=True)}{_END_OF_TURN}\n")
+    if add_generation_prompt:
+        parts.append(f"{_START_OF_TURN}model\n")
+    return "".join(parts)
+
+
+def _content_text(message: dict[str, Any], trim: bool) -> str:
+    """A message's text: a string, or OpenAI-style parts of which only text is supported."""
+    content = message.get("content") or ""
+    pieces = [content] if isinstance(content, str) else []
+    for part in content if isinstance(content, list) else ():
+        if part.get("type") != "text":
+            raise ValueError(f"chat content of type {part.get('type')!r} is not supported; only text")
+        pieces.append(part.get("text", ""))
+    return "".join(p.strip() for p in pieces) if trim else "".join(pieces)
