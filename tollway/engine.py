@@ -10,7 +10,7 @@ import torch
 from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
 from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tollway.model.weights import load_weights
+from tollway.model.weights import LoadedModel, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import StepPlan
@@ -27,7 +27,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True):
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True, loaded: LoadedModel | None = None):
+        """`loaded` reuses weights already in memory (tests build several engines on one model)."""
         config = config or EngineConfig()
         sched = config.scheduler
         sched.validate()
@@ -35,7 +36,7 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        loaded = load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
+        loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.load(loaded.tokenizer_path) if loaded.tokenizer_path else None
         sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)

@@ -94,6 +94,8 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / scaling["factor"], 1.0
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: a divisor per dimension pair
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -207,8 +209,7 @@ class Attention:
         self.k_norm = t[f"{prefix}.k_norm.weight"].float().to(device) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps, self.norm_offset = cfg.rms_norm_eps, cfg.norm_offset
-        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        self.scale = scalar**-0.5
+        self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
         self.layer_type = layer_type
         self.rotary = rotary

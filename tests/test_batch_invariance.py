@@ -1,0 +1,52 @@
+"""Batching never changes a greedy result: alone, in a batch of 32, chunked, or preempted."""
+from __future__ import annotations
+
+import pytest
+
+from tollway.request import SamplingParams
+
+_TEXTS = [
+    "Hi", "The capital of France is", "def add(a, b):", "Once upon a time",
+    "List three colors:", "2 + 2 =", "Translate 'cat' to Spanish:", "The quick brown fox",
+    "Why is the sky blue? Explain briefly in simple words for a child who is five years old.",
+    "import numpy as np\nx = np.arange(10)\nprint(", "Dear team,\nThank you for", "In 1969, astronauts",
+    "Water boils at", "The opposite of hot is", "A haiku about autumn leaves:",
+    "SELECT name FROM users WHERE", "The mitochondria is", "My favourite food is",
+]
+# 32 prompts of mixed lengths (2 to ~90 tokens).
+PROMPTS = [_TEXTS[i % len(_TEXTS)] + (" and then" * (i // 3)) for i in range(32)]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["int8", "fp32"])
+def kernel(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def alone(make_engine, run_to_completion, kernel):
+    engine = make_engine(kernel=kernel)
+    return [run_to_completion(engine, [p], PARAMS)[0][0].token_ids for p in PROMPTS]
+
+
+def test_batch_of_32_matches_alone(make_engine, run_to_completion, kernel, alone):
+    outs, plans = run_to_completion(make_engine(kernel=kernel), PROMPTS, PARAMS)
+    assert max(len(p.seqs) for p in plans) == 32
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_chunked_prefill_matches_alone(make_engine, run_to_completion, kernel, alone):
+    engine = make_engine(kernel=kernel, max_num_batched_tokens=40)
+    outs, plans = run_to_completion(engine, PROMPTS, PARAMS)
+    chunked = [s for p in plans for s in p.seqs if not s.is_decode and s.start_pos > 0]
+    mixed = [p for p in plans if p.num_decode and p.num_prefill_tokens]
+    assert chunked and mixed  # prompts were split, and prefill chunks rode along with decodes
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_preemption_matches_alone(make_engine, run_to_completion, kernel, alone):
+    # 24 blocks of 16 tokens cannot hold 32 sequences at once: the newest get preempted.
+    engine = make_engine(kernel=kernel, num_blocks=24, enable_prefix_caching=False)
+    outs, plans = run_to_completion(engine, PROMPTS, PARAMS)
+    assert any(p.preempted for p in plans)
+    assert [o.token_ids for o in outs] == alone

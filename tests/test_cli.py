@@ -1,0 +1,42 @@
+"""The tollway command: streams a generation; bad input gets one clear line and exit code 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _tollway(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tollway", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_greedy_text(default_weights, make_engine, run_to_completion):
+    from tollway.request import SamplingParams
+
+    [expected], _ = run_to_completion(make_engine(kernel="int8"), ["The capital of France is"],
+                                      SamplingParams(temperature=0, max_tokens=6))
+    result = _tollway("generate", "The capital of France is", "--max-tokens", "6", "--kernel", "int8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.text + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model.gguf"], "/no/such/model.gguf"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--max-model-len", "8"], "context"),
+])
+def test_bad_input_gets_one_line(tmp_path, args, message):
+    result = _tollway("generate", "hello " * 20, *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tollway: error:") and message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    result = _tollway("generate", "hi", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "unsupported model architecture 'bert'" in result.stderr and len(result.stderr.strip().splitlines()) == 1

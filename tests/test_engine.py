@@ -1,0 +1,84 @@
+"""The engine end to end on the default model: stops, seeds, prefix cache, streaming, errors."""
+from __future__ import annotations
+
+import pytest
+
+from tollway.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine(kernel="int8")
+
+
+def test_max_tokens_finishes_with_length(engine, run_to_completion):
+    [out], _ = run_to_completion(engine, ["The capital of France is"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_finishes(engine, run_to_completion):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    [free], _ = run_to_completion(engine, ["Count: 1, 2, 3,"], greedy)
+    word = free.text.strip().split()[1]  # a piece of text the model is known to produce
+    cut = free.text.index(word)
+    [out], _ = run_to_completion(engine, ["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=16, stop=[word]))
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:cut]
+    assert len(out.token_ids) < 16
+
+
+def test_stop_token_id_finishes(engine, run_to_completion):
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [free], _ = run_to_completion(engine, ["The capital of France is"], greedy)
+    target = free.token_ids[3]
+    [out], _ = run_to_completion(engine, ["The capital of France is"],
+                                 SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[target]))
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_streamed_deltas_add_up_to_the_text(engine):
+    rid = engine.add_request("Write a short poem about the moon.", SamplingParams(temperature=0.8, seed=7, max_tokens=24))
+    pieces, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                pieces.append(out.new_text)
+                final = out
+    assert final.finished and "".join(pieces) == final.text
+    assert "\ufffd" not in final.text
+    assert final.text == engine.tokenizer.decode(final.token_ids)
+
+
+def test_same_seed_same_text_different_seed_differs(engine, run_to_completion):
+    prompts = ["Tell me a story about a dragon."] * 2
+    a, _ = run_to_completion(engine, prompts, SamplingParams(temperature=1.0, seed=11, max_tokens=12))
+    b, _ = run_to_completion(engine, prompts[:1], SamplingParams(temperature=1.0, seed=12, max_tokens=12))
+    assert a[0].token_ids == a[1].token_ids
+    assert a[0].token_ids != b[0].token_ids
+
+
+def test_prefix_cache_skips_shared_prefill(make_engine, run_to_completion):
+    engine = make_engine(kernel="int8", block_size=16)
+    shared = "You are a helpful assistant. " * 12  # ~85 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [first], _ = run_to_completion(engine, [shared + "What is 2+2?"], greedy)
+    [second], plans = run_to_completion(engine, [shared + "Name a color."], greedy)
+    prefill = next(s for p in plans for s in p.seqs)
+    assert prefill.start_pos >= 64 and prefill.start_pos % 16 == 0
+    assert second.num_cached_prompt_tokens == prefill.start_pos
+    assert prefill.num_new == len(second.prompt_token_ids) - prefill.start_pos
+    # Reusing cached KV gives exactly what a cold engine computes.
+    [cold], _ = run_to_completion(make_engine(kernel="int8", enable_prefix_caching=False),
+                                  [shared + "Name a color."], greedy)
+    assert cold.token_ids == second.token_ids
+
+
+def test_prompt_longer_than_context_is_refused(make_engine):
+    engine = make_engine(kernel="int8", max_model_len=64)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("word " * 100, SamplingParams())
+
+
+def test_bad_token_ids_are_refused(engine):
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 2, 10**9], SamplingParams())
