@@ -30,7 +30,7 @@ def hf_default(default_weights):
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, sliding_window=c.sliding_window,
-        layer_types=[f"{t}_attention" for t in c.layer_types], query_pre_attn_scalar=c.query_pre_attn_scalar,
+        layer_types=[f"{t}_attention" for t in c.layer_types], query_pre_attn_scalar=int(c.query_pre_attn_scalar),
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
                          "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
@@ -65,25 +65,28 @@ def test_fp32_mode_matches_transformers_exactly(make_engine, run_to_completion, 
         assert out.token_ids == ref
 
 
+# Largest fp32 top-2 margin at which a kernel may pick the runner-up. Measured on these
+# prompts: bf16 flipped once at margin 0.017; int8 (per-channel weight requantization)
+# flipped three times, at margins 0.014, 0.041 and 0.21.
+NEAR_TIE = {"bf16": 0.1, "int8": 0.5}
+
+
 @pytest.mark.parametrize("kernel", ["bf16", "int8"])
 def test_reduced_precision_flips_only_at_near_ties(make_engine, run_to_completion, hf_greedy, kernel):
-    """bf16 weights, or int8 weight-only matmuls, may flip a greedy choice only where the fp32
-    reference's top-2 margin is small; before the first flip the tokens are identical."""
+    """bf16 weights, or int8 weight-only matmuls, may flip a greedy choice only to the fp32
+    reference's runner-up, and only where its top-2 margin is small."""
     engine = make_engine(kernel=kernel)
     outs, _ = run_to_completion(engine, [ids for ids, _, _ in hf_greedy],
                                 SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    matched = 0
+    agreed = 0
     for out, (_, ref, logits) in zip(outs, hf_greedy):
-        flip = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
-        if flip is None:
-            matched += 1
-            continue
-        top2 = torch.topk(logits[flip], 2).values
-        margin = float(top2[0] - top2[1])
-        ours = float(logits[flip, out.token_ids[flip]])
-        # The token we chose is within the kernel's error of the reference's best one.
-        assert float(top2[0]) - ours < 0.5, (kernel, flip, margin)
-    assert matched >= 3  # most prompts are unaffected
+        flip = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), NEW_TOKENS)
+        agreed += flip
+        if flip < NEW_TOKENS:
+            top2 = torch.topk(logits[flip], 2)
+            assert out.token_ids[flip] == int(top2.indices[1])
+            assert float(top2.values[0] - top2.values[1]) < NEAR_TIE[kernel]
+    assert agreed >= len(PROMPTS) * NEW_TOKENS // 2
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
