@@ -43,6 +43,7 @@ class Tokenizer:
         # Byte-fallback tokens (<0x00>..<0xFF>): text decoded from a run of them can change as the run grows.
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(backend.model, "byte_fallback", False) else ()
         self._byte_token_ids = frozenset(i for i in byte_ids if i is not None)
+        self._special_token_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -99,7 +100,8 @@ class IncrementalDetokenizer:
     The deltas, joined (with `flush()` last), equal decode(prompt_ids + ids) minus decode(prompt_ids):
     plain decode(ids) without a prompt. Text is held back while it could still change: while it ends
     in U+FFFD (a multi-byte character not complete yet) and while it ends in byte-fallback tokens,
-    whose group `tokenizers` decodes as a whole (a later byte can turn the group into U+FFFDs).
+    whose run `tokenizers` decodes as a whole (a later byte can turn the run into U+FFFDs; skipped
+    special tokens do not end a run).
     """
 
     # Prompt tokens decoded ahead of the first output token, so that its leading space survives
@@ -112,12 +114,16 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids)[-self._PROMPT_CONTEXT:]
         self._window_start = 0  # decoding starts here: the tokens before the emitted ones serve as context
         self._emitted = len(self._ids)  # ids before this index are accounted for in the text returned so far
+        # Tokens that may continue a run of byte-fallback tokens, so text is not final while they trail.
+        self._run_ids = tokenizer._byte_token_ids
+        if tokenizer._byte_token_ids and skip_special_tokens:
+            self._run_ids = tokenizer._byte_token_ids | tokenizer._special_token_ids
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (often "", sometimes several characters)."""
         self._ids.append(token_id)
         end = len(self._ids)
-        while end > self._emitted and self._ids[end - 1] in self._tokenizer._byte_token_ids:
+        while end > self._emitted and self._ids[end - 1] in self._run_ids:
             end -= 1
         return self._advance(end, final=False)
 

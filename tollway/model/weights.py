@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import platformdirs
+from gguf import GGUFReader
+from gguf.quants import dequantize
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -206,8 +208,6 @@ def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dic
     elif folder.exists():
         _log.warning("converted weights in %s are incomplete; converting again", folder)
     _log.info("converting %s once; later loads read %s", path, folder)
-    from gguf import GGUFReader
-
     reader = GGUFReader(path)
     config = ModelConfig.from_gguf(reader)
     tensors = _convert_gguf_tensors(reader, config, progress)
@@ -241,7 +241,7 @@ def _read_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Pat
     return config, tensors, folder if (folder / "tokenizer.json").is_file() else None
 
 
-def _write_cache(folder: Path, source: Path, reader, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> bool:
+def _write_cache(folder: Path, source: Path, reader: GGUFReader, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> bool:
     """Write the cache folder atomically: a temp folder beside it, renamed into place when complete."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -273,9 +273,7 @@ def _install(tmp: Path, folder: Path) -> None:
             raise
 
 
-def _convert_gguf_tensors(reader, config: ModelConfig, progress: bool) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
+def _convert_gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool) -> dict[str, torch.Tensor]:
     # llama.cpp's converter interleaves Q/K rows for its rotary layout in the llama architecture only.
     permuted = reader.fields["general.architecture"].contents() == "llama"
     tensors = {}

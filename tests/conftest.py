@@ -1,0 +1,149 @@
+"""Shared fixtures. Model fixtures are session-scoped: the default model is converted/loaded once."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tollway.model.tokenizer import Tokenizer
+from tollway.model.weights import LoadedModel, load_weights
+
+
+@pytest.fixture(scope="session")
+def default_weights() -> LoadedModel:
+    """The embedded Gemma 3 270M, through the user's converted-weights cache ($TOLLWAY_CACHE honoured)."""
+    return load_weights(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_weights: LoadedModel) -> Tokenizer:
+    return Tokenizer.load(default_weights.tokenizer_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random HF checkpoints (no tokenizer), name -> folder:
+    llama (fp32, untied), qwen2 (fp32, q/k/v bias, untied), qwen3 (bf16, qk-norm, tied),
+    gemma3 (fp32, layers sliding then full, tied). Norm weights are randomized too, so a
+    forward pass that gets the norm convention wrong does not match transformers."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    configs = {
+        "llama": (LlamaConfig(**common, tie_word_embeddings=False), torch.float32),
+        "qwen2": (Qwen2Config(**common, tie_word_embeddings=False), torch.float32),
+        "qwen3": (Qwen3Config(**common, head_dim=16, tie_word_embeddings=True), torch.bfloat16),
+        "gemma3": (Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]), torch.float32),
+    }
+    root = tmp_path_factory.mktemp("tiny_hf")
+    folders = {}
+    for seed, (name, (config, dtype)) in enumerate(configs.items()):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                param.add_(torch.randn_like(param) * (0.1 if "norm" in param_name else 0.02))
+        folders[name] = root / name
+        model.to(dtype).save_pretrained(folders[name], safe_serialization=True)
+    return folders
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_hf_models, tmp_path_factory) -> Path:
+    """tiny_hf_models["llama"] written as llama.cpp would: a llama-architecture GGUF with Q/K rows
+    permuted, blk.0.ffn_up quantized to Q8_0 (the rest F32), and a 320-token SentencePiece vocabulary."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = tiny_hf_models["llama"]
+    config = AutoConfig.from_pretrained(folder)
+    hf = load_file(folder / "model.safetensors")
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama.gguf"
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words = ["ll", "\u2581he", "\u2581hell", "\u2581hello", "or", "ld", "\u2581wor", "\u2581world"]
+    pieces = ["\u2581", *letters, *("\u2581" + c for c in letters), *words]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    assert len(tokens) == config.vocab_size
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))  # unknown, control, byte, normal
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+
+    layer_names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }
+    global_names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in hf.items():
+        base = name.removesuffix(".weight")
+        if base in global_names:
+            gguf_name = global_names[base]
+        else:
+            _, _, layer, part = base.split(".", 3)
+            gguf_name = f"blk.{layer}.{layer_names[part]}"
+        values = tensor.float().numpy()
+        if gguf_name.endswith(("attn_q", "attn_k")):  # llama.cpp's permute for its rope layout
+            heads = config.num_attention_heads if gguf_name.endswith("attn_q") else config.num_key_value_heads
+            values = values.reshape(heads, 2, values.shape[0] // heads // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        if gguf_name == "blk.0.ffn_up":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name + ".weight", gguf.quants.quantize(values, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(gguf_name + ".weight", np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_engine(default_weights):
+    """Build an Engine on the already-loaded default model: make_engine(kernel="fp32", num_blocks=64, ...)."""
+    from tollway.config import EngineConfig, SchedulerConfig
+    from tollway.engine import Engine
+
+    def build(**scheduler_options):
+        return Engine(EngineConfig(scheduler=SchedulerConfig(**scheduler_options)), progress=False,
+                      loaded=default_weights)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def run_to_completion():
+    """run(engine, prompts, params) adds every prompt and steps until done;
+    returns ([final RequestOutput per prompt], [every StepPlan])."""
+
+    def run(engine, prompts, params):
+        ids = [engine.add_request(p, params) for p in prompts]
+        finals, plans = {}, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            plans.append(engine.last_plan)
+        return [finals[i] for i in ids], plans
+
+    return run
