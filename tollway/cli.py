@@ -39,8 +39,9 @@ def _generate(args) -> int:
                           scheduler=SchedulerConfig(kernel=args.kernel, max_model_len=args.max_model_len))
     engine = Engine(config)
     prompt = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if args.chat:  # the template writes BOS itself
+        prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
+                                         add_special_tokens=False)
     request_id = engine.add_request(prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
