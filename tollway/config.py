@@ -17,8 +17,8 @@ class SchedulerConfig:
     # Linear-layer kernel: a fixed name from KERNELS, or "auto" to pick per step by its token count.
     kernel: str = "auto"
     # With kernel="auto": steps of at most this many tokens use int8 weight-only matmuls,
-    # larger steps use `dense_kernel`. Measured by `tollway profile`, not guessed.
-    int8_max_tokens: int = 4
+    # larger steps use `dense_kernel`. None: measured on this machine at the first start, then cached.
+    int8_max_tokens: int | None = None
     dense_kernel: str = "fp32"
 
     def validate(self) -> None:

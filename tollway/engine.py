@@ -10,7 +10,8 @@ import torch
 from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
 from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tollway.model.weights import LoadedModel, load_weights
+from tollway.model.kernel_profile import cached_int8_crossover
+from tollway.model.weights import LoadedModel, cache_root, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import StepPlan
@@ -42,10 +43,16 @@ class Engine:
         sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
         if self.device.type == "cuda" and sched.kernel == "auto":
             sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
-        kernels = {sched.kernel} if sched.kernel != "auto" else {"int8", sched.dense_kernel} - (
-            {"int8"} if sched.int8_max_tokens == 0 else set())
+        if sched.kernel != "auto":
+            kernels = {sched.kernel}
+        else:
+            kernels = {sched.dense_kernel} | ({"int8"} if sched.int8_max_tokens != 0 else set())
         self.config = config
         self.runner = ModelRunner(self.model_config, loaded.tensors, sched, self.device, kernels)
+        if sched.kernel == "auto" and sched.int8_max_tokens is None:
+            sched.int8_max_tokens = cached_int8_crossover(
+                self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
+                key=str(loaded.source))
         self.scheduler = Scheduler(sched)
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()

@@ -6,7 +6,10 @@ step size at which the int8 weight-only kernel stops beating the dense one
 """
 from __future__ import annotations
 
+import json
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,3 +54,19 @@ def int8_crossover(model: DecoderModel, dense_kernel: str, sizes=(1, 2, 4, 8, 16
             break
         crossover = n
     return crossover, timings
+
+
+def cached_int8_crossover(model: DecoderModel, dense_kernel: str, cache_file: Path, key: str) -> int:
+    """int8_crossover, measured once per (model, machine, threads) and remembered in `cache_file`."""
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = f"{key}|{dense_kernel}|{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}"
+    if entry not in known:
+        known[entry], _ = int8_crossover(model, dense_kernel)
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache_file)
+    return known[entry]
