@@ -11,7 +11,7 @@ class DecoderModel:
     `logits` applies the LM head to the rows that sample."""
 
     num_layers: int
-    layers: list  # each with .attn (q/k/v/o_proj) and .mlp (gate/up/down)
+    layers: list  # each with .attn (qkv_proj, o_proj) and .mlp (gate_up, down)
     embed: torch.Tensor
     lm_head: Linear
     final_logit_softcapping: float | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, rms_norm
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, norm_weight, rms_norm
 
 
 class Gemma3Layer:
@@ -14,12 +14,12 @@ class Gemma3Layer:
         self.layer_type = cfg.layer_types[i]
         self.attn = Attention(t, f"{p}.self_attn", cfg, self.layer_type, rotary, kernels, device)
         self.mlp = MLP(t, f"{p}.mlp", cfg.hidden_act, kernels, device)
-        self.norms = {n: t[f"{p}.{n}.weight"].float().to(device) for n in
+        self.norms = {n: norm_weight(t[f"{p}.{n}.weight"], 1.0, device) for n in
                       ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
         self.eps = cfg.rms_norm_eps
 
     def _norm(self, x, name):
-        return rms_norm(x, self.norms[name], self.eps, 1.0)
+        return rms_norm(x, self.norms[name], self.eps)
 
     def __call__(self, x, positions, cache, meta, kernel):
         h = self.attn(self._norm(x, "input_layernorm"), positions, cache, meta, kernel)
@@ -39,7 +39,7 @@ class Gemma3Model(DecoderModel):
         self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float32, device=device)
-        self.final_norm = tensors["model.norm.weight"].float().to(device)
+        self.final_norm = norm_weight(tensors["model.norm.weight"], 1.0, device)
         self.eps = cfg.rms_norm_eps
         head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
         self.lm_head = Linear(head, None, kernels, device)
@@ -49,4 +49,4 @@ class Gemma3Model(DecoderModel):
         x = self.embed[input_ids] * self.embed_scale
         for layer, cache in zip(self.layers, caches):
             x = layer(x, positions, cache, meta, kernel)
-        return rms_norm(x, self.final_norm, self.eps, 1.0)
+        return rms_norm(x, self.final_norm, self.eps)

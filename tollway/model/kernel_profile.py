@@ -20,8 +20,7 @@ from tollway.model.layers import Linear
 def model_linears(model: DecoderModel) -> list[Linear]:
     found = []
     for layer in model.layers:
-        found += [layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
-                  layer.mlp.gate, layer.mlp.up, layer.mlp.down]
+        found += [layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down]
     return found + [model.lm_head]
 
 

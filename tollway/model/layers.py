@@ -20,18 +20,21 @@ _ROW_MULTIPLE = 8
 
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    # offset 1.0 gives Gemma's x * (1 + w); 0.0 gives Llama's x * w (weights are stored HF-style).
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return x32 * (weight + offset) if offset else x32 * weight
+def norm_weight(weight: torch.Tensor, offset: float, device: torch.device) -> torch.Tensor:
+    """The multiplier an RMSNorm applies: Gemma's (1 + w) (offset 1.0) or Llama's w, computed once."""
+    return (weight.float() + offset if offset else weight.float()).to(device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Bit-identical to transformers' x * rsqrt(mean(x^2) + eps) * w in float32, in fewer ops.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Linear:
     """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device):
-        w = weight.float()
+        w = weight.float()  # several projections may be concatenated into one weight: one matmul, one dispatch
         self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
         self.fp32 = w.to(device) if "fp32" in kernels else None
@@ -198,17 +201,19 @@ def _attend(q: torch.Tensor, cache: KVCache, view: AttentionView, scale: float, 
 
 
 class Attention:
-    """q/k/v projections, optional QK-norm, RoPE, paged attention, output projection."""
+    """Fused q/k/v projection, optional QK-norm, RoPE, paged attention, output projection."""
 
     def __init__(self, t: dict, prefix: str, cfg, layer_type: str, rotary: Rotary, kernels: set[str], device):
-        def lin(name):
-            return Linear(t[f"{prefix}.{name}.weight"], t.get(f"{prefix}.{name}.bias"), kernels, device)
-
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = lin("q_proj"), lin("k_proj"), lin("v_proj"), lin("o_proj")
-        self.q_norm = t[f"{prefix}.q_norm.weight"].float().to(device) if cfg.qk_norm else None
-        self.k_norm = t[f"{prefix}.k_norm.weight"].float().to(device) if cfg.qk_norm else None
+        names = [f"{prefix}.{n}_proj" for n in ("q", "k", "v")]
+        weight = torch.cat([t[f"{n}.weight"] for n in names])
+        bias = torch.cat([t[f"{n}.bias"] for n in names]) if f"{names[0]}.bias" in t else None
+        self.qkv_proj = Linear(weight, bias, kernels, device)
+        self.o_proj = Linear(t[f"{prefix}.o_proj.weight"], None, kernels, device)
+        self.q_norm = norm_weight(t[f"{prefix}.q_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
+        self.k_norm = norm_weight(t[f"{prefix}.k_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps, self.norm_offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        self.eps = cfg.rms_norm_eps
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
         self.layer_type = layer_type
@@ -216,12 +221,13 @@ class Attention:
 
     def __call__(self, x, positions, cache: KVCache, meta: AttentionMetadata, kernel: str) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x, kernel).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x, kernel).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x, kernel).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x, kernel).split(self.split, dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps, self.norm_offset)
-            k = rms_norm(k, self.k_norm, self.eps, self.norm_offset)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         q = self.rotary(q, positions)
         k = self.rotary(k, positions)
         out = paged_attention(q, k, v, cache, meta, self.layer_type, self.scale, self.softcap)
@@ -229,12 +235,15 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, t: dict, prefix: str, activation: str, kernels: set[str], device):
-        def lin(name):
-            return Linear(t[f"{prefix}.{name}.weight"], None, kernels, device)
+    """Gated MLP with the gate and up projections fused into one matmul."""
 
-        self.gate, self.up, self.down = lin("gate_proj"), lin("up_proj"), lin("down_proj")
+    def __init__(self, t: dict, prefix: str, activation: str, kernels: set[str], device):
+        gate, up = t[f"{prefix}.gate_proj.weight"], t[f"{prefix}.up_proj.weight"]
+        self.width = gate.shape[0]
+        self.gate_up = Linear(torch.cat([gate, up]), None, kernels, device)
+        self.down = Linear(t[f"{prefix}.down_proj.weight"], None, kernels, device)
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if activation == "gelu_tanh" else F.silu
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        return self.down(self.act(self.gate(x, kernel)) * self.up(x, kernel), kernel)
+        gate, up = self.gate_up(x, kernel).split(self.width, dim=-1)
+        return self.down(self.act(gate) * up, kernel)

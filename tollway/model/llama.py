@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, rms_norm
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, norm_weight, rms_norm
 
 
 class LlamaLayer:
@@ -13,13 +13,13 @@ class LlamaLayer:
         p = f"model.layers.{i}"
         self.attn = Attention(t, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, kernels, device)
         self.mlp = MLP(t, f"{p}.mlp", cfg.hidden_act, kernels, device)
-        self.input_norm = t[f"{p}.input_layernorm.weight"].float().to(device)
-        self.post_norm = t[f"{p}.post_attention_layernorm.weight"].float().to(device)
+        self.input_norm = norm_weight(t[f"{p}.input_layernorm.weight"], 0.0, device)
+        self.post_norm = norm_weight(t[f"{p}.post_attention_layernorm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, cache, meta, kernel):
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps, 0.0), positions, cache, meta, kernel)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, 0.0), kernel)
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), positions, cache, meta, kernel)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps), kernel)
 
 
 class LlamaModel(DecoderModel):
@@ -28,7 +28,7 @@ class LlamaModel(DecoderModel):
         self.layers = [LlamaLayer(tensors, i, cfg, rotary, kernels, device) for i in range(cfg.num_layers)]
         self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
-        self.final_norm = tensors["model.norm.weight"].float().to(device)
+        self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
         head = tensors["model.embed_tokens.weight"] if cfg.tie_word_embeddings else tensors["lm_head.weight"]
         self.lm_head = Linear(head, None, kernels, device)
@@ -37,4 +37,4 @@ class LlamaModel(DecoderModel):
         x = self.embed[input_ids]
         for layer, cache in zip(self.layers, caches):
             x = layer(x, positions, cache, meta, kernel)
-        return rms_norm(x, self.final_norm, self.eps, 0.0)
+        return rms_norm(x, self.final_norm, self.eps)
