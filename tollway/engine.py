@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import os
 import time
 
@@ -11,7 +12,7 @@ from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
 from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.kernel_profile import cached_int8_crossover
-from tollway.model.weights import LoadedModel, cache_root, load_weights
+from tollway.model.weights import LoadedModel, cache_root, derived_cache_file, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import StepPlan
@@ -39,7 +40,8 @@ class Engine:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.load(loaded.tokenizer_path) if loaded.tokenizer_path else None
+        # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
+        tokenizer = ThreadPoolExecutor(1).submit(Tokenizer.load, loaded.tokenizer_path) if loaded.tokenizer_path else None
         sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
         if self.device.type == "cuda" and sched.kernel == "auto":
             sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
@@ -48,12 +50,14 @@ class Engine:
         else:
             kernels = {sched.dense_kernel} | ({"int8"} if sched.int8_max_tokens != 0 else set())
         self.config = config
-        self.runner = ModelRunner(self.model_config, loaded.tensors, sched, self.device, kernels)
+        self.runner = ModelRunner(self.model_config, loaded.tensors, sched, self.device, kernels,
+                                  int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"))
         if sched.kernel == "auto" and sched.int8_max_tokens is None:
             sched.int8_max_tokens = cached_int8_crossover(
                 self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
                 key=str(loaded.source))
         self.scheduler = Scheduler(sched)
+        self.tokenizer = tokenizer.result() if tokenizer else None
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, norm_weight, rms_norm
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight, rms_norm
 
 
 class Gemma3Layer:
-    def __init__(self, t, i, cfg, rotary, kernels, device):
+    def __init__(self, t, build, i, cfg, rotary, device):
         p = f"model.layers.{i}"
         self.layer_type = cfg.layer_types[i]
-        self.attn = Attention(t, f"{p}.self_attn", cfg, self.layer_type, rotary, kernels, device)
-        self.mlp = MLP(t, f"{p}.mlp", cfg.hidden_act, kernels, device)
+        self.attn = Attention(t, build, f"{p}.self_attn", cfg, self.layer_type, rotary, device)
+        self.mlp = MLP(t, build, f"{p}.mlp", cfg.hidden_act)
         self.norms = {n: norm_weight(t[f"{p}.{n}.weight"], 1.0, device) for n in
                       ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
         self.eps = cfg.rms_norm_eps
@@ -29,20 +29,19 @@ class Gemma3Layer:
 
 
 class Gemma3Model(DecoderModel):
-    def __init__(self, cfg, tensors: dict[str, torch.Tensor], kernels: set[str], max_positions: int, device):
+    def __init__(self, cfg, tensors: dict[str, torch.Tensor], build: LinearBuilder, max_positions: int, device):
         rotary = {
             "full": Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device),
             "sliding": Rotary(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, max_positions, None, device),
         }
-        self.layers = [Gemma3Layer(tensors, i, cfg, rotary[cfg.layer_types[i]], kernels, device)
+        self.layers = [Gemma3Layer(tensors, build, i, cfg, rotary[cfg.layer_types[i]], device)
                        for i in range(cfg.num_layers)]
         self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float32, device=device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 1.0, device)
         self.eps = cfg.rms_norm_eps
-        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-        self.lm_head = Linear(head, None, kernels, device)
+        self.lm_head = build("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")
         self.final_logit_softcapping = cfg.final_logit_softcapping
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):

@@ -8,7 +8,6 @@ the default settings and 0.66 ms with these.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -20,11 +19,8 @@ def keep_freed_memory() -> None:
     if _applied:
         return
     _applied = True
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
+    try:  # by name: ctypes.util.find_library would spawn ldconfig, seconds at every start
+        libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
         libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     except (OSError, AttributeError):  # not glibc: nothing to tune

@@ -61,7 +61,7 @@ def cached_int8_crossover(model: DecoderModel, dense_kernel: str, cache_file: Pa
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         known = {}
-    entry = f"{key}|{dense_kernel}|{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}"
+    entry = f"{key}|{dense_kernel}|{_cpu_name()}|{torch.get_num_threads()}|{torch.__version__}"
     if entry not in known:
         known[entry], _ = int8_crossover(model, dense_kernel)
         cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -69,3 +69,12 @@ def cached_int8_crossover(model: DecoderModel, dense_kernel: str, cache_file: Pa
         tmp.write_text(json.dumps(known, indent=1))
         tmp.replace(cache_file)
     return known[entry]
+
+
+def _cpu_name() -> str:
+    # Not platform.processor(): it runs `uname -p` in a subprocess.
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.machine()

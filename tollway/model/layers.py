@@ -33,16 +33,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Linear:
     """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device):
-        w = weight.float()  # several projections may be concatenated into one weight: one matmul, one dispatch
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None):
+        w = weight.float()
         self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
         self.fp32 = w.to(device) if "fp32" in kernels else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
         if "int8" in kernels:
-            self.int8, self.int8_scales = quantize_int8(w)
-            self.int8, self.int8_scales = self.int8.to(device), self.int8_scales.to(device)
+            q, scales = int8 if int8 is not None else quantize_int8(w)
+            self.int8, self.int8_scales = q.to(device), scales.to(device)
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "fp32":
@@ -61,6 +62,33 @@ def _padded_rows(x: torch.Tensor, fn) -> torch.Tensor:
     if not pad:
         return fn(x)
     return fn(torch.cat([x, x.new_zeros(pad, x.shape[1])]))[: x.shape[0]]
+
+
+class LinearBuilder:
+    """Makes Linear layers from named weights, concatenating several names into one matmul
+    (q/k/v, gate/up). int8 copies are taken from `int8` when there and added to it when not,
+    so the runner can keep them on disk: quantizing 270M weights takes seconds at every start."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], kernels: set[str], device: torch.device,
+                 int8: dict[str, torch.Tensor]):
+        self.tensors, self.kernels, self.device, self.int8 = tensors, kernels, device, int8
+        self.quantized = False  # whether any int8 copy was made here rather than found
+
+    def __call__(self, *names: str) -> Linear:
+        t = self.tensors
+        weight = torch.cat([t[f"{n}.weight"] for n in names]) if len(names) > 1 else t[f"{names[0]}.weight"]
+        bias = torch.cat([t[f"{n}.bias"] for n in names]) if f"{names[0]}.bias" in t else None
+        int8 = None
+        if "int8" in self.kernels:
+            parts = [self._int8(n) for n in names]
+            int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
+        return Linear(weight, bias, self.kernels, self.device, int8)
+
+    def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if name not in self.int8:
+            self.int8[name], self.int8[f"{name}.scales"] = quantize_int8(self.tensors[f"{name}.weight"].float())
+            self.quantized = True
+        return self.int8[name], self.int8[f"{name}.scales"]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +166,14 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """One layer's paged K and V: [num_blocks * block_size, kv_heads, head_dim] flat slots."""
+    """One layer's paged K and V: [num_blocks * block_size, kv_heads, head_dim] flat slots.
+
+    Left uninitialized (zeroing 1 GB costs seconds at start): attention only gathers
+    positions its own sequence has already written; padding re-reads position 0."""
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.k = torch.empty(num_slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
 
 
 def paged_attention(
@@ -203,12 +234,9 @@ def _attend(q: torch.Tensor, cache: KVCache, view: AttentionView, scale: float, 
 class Attention:
     """Fused q/k/v projection, optional QK-norm, RoPE, paged attention, output projection."""
 
-    def __init__(self, t: dict, prefix: str, cfg, layer_type: str, rotary: Rotary, kernels: set[str], device):
-        names = [f"{prefix}.{n}_proj" for n in ("q", "k", "v")]
-        weight = torch.cat([t[f"{n}.weight"] for n in names])
-        bias = torch.cat([t[f"{n}.bias"] for n in names]) if f"{names[0]}.bias" in t else None
-        self.qkv_proj = Linear(weight, bias, kernels, device)
-        self.o_proj = Linear(t[f"{prefix}.o_proj.weight"], None, kernels, device)
+    def __init__(self, t: dict, build: LinearBuilder, prefix: str, cfg, layer_type: str, rotary: Rotary, device):
+        self.qkv_proj = build(f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj")
+        self.o_proj = build(f"{prefix}.o_proj")
         self.q_norm = norm_weight(t[f"{prefix}.q_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
         self.k_norm = norm_weight(t[f"{prefix}.k_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -237,11 +265,10 @@ class Attention:
 class MLP:
     """Gated MLP with the gate and up projections fused into one matmul."""
 
-    def __init__(self, t: dict, prefix: str, activation: str, kernels: set[str], device):
-        gate, up = t[f"{prefix}.gate_proj.weight"], t[f"{prefix}.up_proj.weight"]
-        self.width = gate.shape[0]
-        self.gate_up = Linear(torch.cat([gate, up]), None, kernels, device)
-        self.down = Linear(t[f"{prefix}.down_proj.weight"], None, kernels, device)
+    def __init__(self, t: dict, build: LinearBuilder, prefix: str, activation: str):
+        self.width = t[f"{prefix}.gate_proj.weight"].shape[0]
+        self.gate_up = build(f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.down = build(f"{prefix}.down_proj")
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if activation == "gelu_tanh" else F.silu
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, Linear, Rotary, norm_weight, rms_norm
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight, rms_norm
 
 
 class LlamaLayer:
-    def __init__(self, t, i, cfg, rotary, kernels, device):
+    def __init__(self, t, build, i, cfg, rotary, device):
         p = f"model.layers.{i}"
-        self.attn = Attention(t, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, kernels, device)
-        self.mlp = MLP(t, f"{p}.mlp", cfg.hidden_act, kernels, device)
+        self.attn = Attention(t, build, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, device)
+        self.mlp = MLP(t, build, f"{p}.mlp", cfg.hidden_act)
         self.input_norm = norm_weight(t[f"{p}.input_layernorm.weight"], 0.0, device)
         self.post_norm = norm_weight(t[f"{p}.post_attention_layernorm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
@@ -23,15 +23,14 @@ class LlamaLayer:
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, cfg, tensors: dict[str, torch.Tensor], kernels: set[str], max_positions: int, device):
+    def __init__(self, cfg, tensors: dict[str, torch.Tensor], build: LinearBuilder, max_positions: int, device):
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device)
-        self.layers = [LlamaLayer(tensors, i, cfg, rotary, kernels, device) for i in range(cfg.num_layers)]
+        self.layers = [LlamaLayer(tensors, build, i, cfg, rotary, device) for i in range(cfg.num_layers)]
         self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
-        head = tensors["model.embed_tokens.weight"] if cfg.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = Linear(head, None, kernels, device)
+        self.lm_head = build("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = self.embed[input_ids]

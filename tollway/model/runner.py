@@ -1,15 +1,20 @@
 """StepPlan -> batched tensors -> forward -> sample -> StepResult. The only place a step touches torch."""
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from tollway.config import SchedulerConfig
 from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
-from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, KVCache, PrefillSpan
+from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, KVCache, LinearBuilder, PrefillSpan
 from tollway.model.llama import LlamaModel
 from tollway.model.sampling import sample
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
@@ -19,15 +24,20 @@ ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
 
 class ModelRunner:
     def __init__(self, model_config, tensors: dict[str, torch.Tensor], sched: SchedulerConfig,
-                 device: torch.device, kernels: set[str], seed: int = 0):
+                 device: torch.device, kernels: set[str], seed: int = 0, int8_cache: Path | None = None):
+        """`int8_cache`: a safetensors file that keeps the int8 weight copies between starts."""
         keep_freed_memory()
         self.cfg = model_config
         self.device = device
         self.kernels = kernels
         self.block_size = sched.block_size
         max_positions = min(model_config.max_position_embeddings, sched.max_model_len)
+        int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
+        build = LinearBuilder(tensors, kernels, device, int8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
-            model_config, tensors, kernels, max_positions, device)
+            model_config, tensors, build, max_positions, device)
+        if build.quantized and int8_cache:
+            _write_int8(int8_cache, int8)
         # float32 KV on CPU: no native bf16 math on AVX2, and the fp32 kernel then matches transformers exactly.
         kv_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.caches = [KVCache(sched.num_blocks * sched.block_size, model_config.num_kv_heads,
@@ -112,3 +122,22 @@ class ModelRunner:
     def _prefill_views(self, s: ScheduledSeq) -> dict[str, AttentionView]:
         q_pos = torch.arange(s.start_pos, s.context_len, device=self.device).unsqueeze(0)
         return {kind: self._view([s.block_table], q_pos, kind) for kind in self._layer_types()}
+
+
+def _read_int8(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError):  # absent or damaged: quantize again and rewrite it
+        return {}
+
+
+def _write_int8(path: Path, int8: dict[str, torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(int8, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

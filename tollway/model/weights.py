@@ -216,6 +216,12 @@ def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dic
     return config, tensors, folder if has_tokenizer else None, False
 
 
+def derived_cache_file(source: Path, cache_dir: str | os.PathLike | None, name: str) -> Path:
+    """Where to keep something derived from `source` (e.g. int8 weights): beside its converted
+    weights, so deleting the cache, or changing the source, drops it too."""
+    return _cache_folder(source, cache_root(cache_dir)) / name
+
+
 def _cache_folder(path: Path, root: Path) -> Path:
     stat = path.stat()
     key = f"{CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
