@@ -30,6 +30,11 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    def kernels_to_load(self) -> set[str]:
+        if self.kernel != "auto":
+            return {self.kernel}
+        return {self.dense_kernel} | ({"int8"} if self.int8_max_tokens != 0 else set())
+
     def kernel_for(self, num_tokens: int) -> str:
         if self.kernel != "auto":
             return self.kernel

@@ -7,6 +7,7 @@ import os
 import time
 
 import torch
+from tqdm import tqdm
 
 from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
@@ -38,26 +39,29 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
-        self.model_config = loaded.config
-        # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
-        tokenizer = ThreadPoolExecutor(1).submit(Tokenizer.load, loaded.tokenizer_path) if loaded.tokenizer_path else None
-        sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
-        if self.device.type == "cuda" and sched.kernel == "auto":
-            sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
-        if sched.kernel != "auto":
-            kernels = {sched.kernel}
-        else:
-            kernels = {sched.dense_kernel} | ({"int8"} if sched.int8_max_tokens != 0 else set())
+        with tqdm(total=3, desc="loading model", unit="stage", disable=not progress, leave=False) as bar:
+            loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
+            bar.update()
+            self.model_config = loaded.config
+            sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
+            if self.device.type == "cuda" and sched.kernel == "auto":
+                sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
+            with ThreadPoolExecutor(1) as pool:
+                # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
+                tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path) if loaded.tokenizer_path else None
+                self.runner = ModelRunner(
+                    self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
+                    int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"))
+                bar.update()
+                if sched.kernel == "auto" and sched.int8_max_tokens is None:
+                    bar.set_description("measuring kernels (once)")
+                    sched.int8_max_tokens = cached_int8_crossover(
+                        self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
+                        key=str(loaded.source))
+                self.tokenizer = tokenizer.result() if tokenizer else None
+            bar.update()
         self.config = config
-        self.runner = ModelRunner(self.model_config, loaded.tensors, sched, self.device, kernels,
-                                  int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"))
-        if sched.kernel == "auto" and sched.int8_max_tokens is None:
-            sched.int8_max_tokens = cached_int8_crossover(
-                self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
-                key=str(loaded.source))
         self.scheduler = Scheduler(sched)
-        self.tokenizer = tokenizer.result() if tokenizer else None
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
