@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tollway.config import SchedulerConfig
+from tollway.model.reference import transformers_gemma3
 from tollway.model.runner import ModelRunner
 from tollway.model.weights import load_weights
 from tollway.request import SamplingParams
@@ -22,25 +23,8 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def hf_default(default_weights):
-    """transformers' Gemma 3 built from the very tensors tollway loaded (fp32, eager attention)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    c = default_weights.config
-    config = Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, sliding_window=c.sliding_window,
-        layer_types=[f"{t}_attention" for t in c.layer_types], query_pre_attn_scalar=int(c.query_pre_attn_scalar),
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
-        attn_implementation="eager", dtype=torch.float32,
-    )
-    model = Gemma3ForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(default_weights.tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
+    """transformers' Gemma 3 on the very tensors tollway loaded (fp32, eager attention)."""
+    return transformers_gemma3(default_weights)
 
 
 @pytest.fixture(scope="module")
