@@ -27,7 +27,6 @@ class ModelRunner:
                  device: torch.device, kernels: set[str], seed: int = 0, int8_cache: Path | None = None):
         """`int8_cache`: a safetensors file that keeps the int8 weight copies between starts."""
         keep_freed_memory()
-        self.cfg = model_config
         self.device = device
         self.kernels = kernels
         self.block_size = sched.block_size
