@@ -109,11 +109,14 @@ class Rotary:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * attention_factor).to(device)
         self.sin = (emb.sin() * attention_factor).to(device)
+        self._rows = (None, None, None)  # (positions, cos, sin) of the step in flight
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # x: [T, heads, head_dim]. Every layer of a step passes the same positions tensor:
+        # look its rows up once, not twice per layer.
+        if self._rows[0] is not positions:
+            self._rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        _, cos, sin = self._rows
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -8,11 +8,8 @@ from tollway.scheduler.plan import SampledToken, ScheduledSeq
 
 def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator) -> list[SampledToken]:
     """logits: [S, V] float32, row i belongs to seqs[i]."""
-    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
-        tokens[rows] = logits.index_select(0, rows).argmax(dim=-1)
+    # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows).
+    tokens = logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             tokens[i] = _sample_row(logits[i], seq, generator)
