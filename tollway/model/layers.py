@@ -107,19 +107,20 @@ class Rotary:
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
+        self.half = head_dim // 2
+        sin = emb.sin() * attention_factor
         self.cos = (emb.cos() * attention_factor).to(device)
-        self.sin = (emb.sin() * attention_factor).to(device)
-        self._rows = (None, None, None)  # (positions, cos, sin) of the step in flight
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi], bit for bit, in fewer ops.
+        self.signed_sin = torch.cat([-sin[:, : self.half], sin[:, self.half:]], dim=-1).to(device)
+        self._rows = (None, None, None)  # (positions, cos, signed sin) of the step in flight
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_dim]. Every layer of a step passes the same positions tensor:
-        # look its rows up once, not twice per layer.
+        # look its rows up once per step, not once per layer.
         if self._rows[0] is not positions:
-            self._rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        _, cos, sin = self._rows
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+            self._rows = (positions, self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1))
+        _, cos, signed_sin = self._rows
+        return x * cos + x.roll(self.half, dims=-1) * signed_sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -240,10 +241,14 @@ class Attention:
     def __init__(self, t: dict, build: LinearBuilder, prefix: str, cfg, layer_type: str, rotary: Rotary, device):
         self.qkv_proj = build(f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj")
         self.o_proj = build(f"{prefix}.o_proj")
-        self.q_norm = norm_weight(t[f"{prefix}.q_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
-        self.k_norm = norm_weight(t[f"{prefix}.k_norm.weight"], cfg.norm_offset, device) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        # q and k are normed and rotated as one [T, heads + kv_heads, D] tensor: half the ops.
+        self.qk_norm = None
+        if cfg.qk_norm:
+            q_w = norm_weight(t[f"{prefix}.q_norm.weight"], cfg.norm_offset, device)
+            k_w = norm_weight(t[f"{prefix}.k_norm.weight"], cfg.norm_offset, device)
+            self.qk_norm = torch.stack([q_w] * self.heads + [k_w] * self.kv_heads)
+        self.split = [(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim]
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
@@ -252,15 +257,14 @@ class Attention:
 
     def __call__(self, x, positions, cache: KVCache, meta: AttentionMetadata, kernel: str) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x, kernel).split(self.split, dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x, kernel).split(self.split, dim=-1)
+        qk = qk.view(t, self.heads + self.kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            # Bit-identical to norming q and k apart with their own weights.
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
+        qk = self.rotary(qk, positions)
+        q, k = qk[:, : self.heads], qk[:, self.heads:]
         v = v.view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = self.rotary(q, positions)
-        k = self.rotary(k, positions)
         out = paged_attention(q, k, v, cache, meta, self.layer_type, self.scale, self.softcap)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim), kernel)
 
