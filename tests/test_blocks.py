@@ -1,24 +1,18 @@
 """BlockPool: allocation, ref counts, the prefix cache and its LRU eviction."""
-from collections import Counter
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from block_checks import assert_ref_counts
 from tollway.scheduler.blocks import BlockPool, chain_hash
 
 
 def check_pool(pool: BlockPool, owners) -> None:
     """Every block is exactly one of free / evictable / in use, and each ref count equals the
     number of `owners`' tables that hold the block."""
-    holders = Counter()
-    for owner in owners:
-        table = pool.table(owner)
-        assert len(set(table)) == len(table), f"{owner} holds a block twice: {table}"
-        holders.update(table)
-    for block in range(pool.num_blocks):
-        assert pool.ref_count(block) == holders[block], f"block {block}"
+    holders = assert_ref_counts(pool, owners)
     free, evictable = list(pool._free), list(pool._evictable)
     assert len(set(free)) == len(free), "double free"
     assert not set(free) & set(evictable)

@@ -1,7 +1,6 @@
 """Scheduler: admission, chunked prefill, prefix hits, preemption, finishing; plus a random
 workload over a tiny pool with the KV cache simulated slot by slot."""
 import random
-from collections import Counter
 
 import pytest
 from hypothesis import settings
@@ -10,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState, SamplingParams
+from block_checks import assert_ref_counts
 from tollway.scheduler.plan import SampledToken, StepResult
 from tollway.scheduler.scheduler import Scheduler
 
@@ -46,13 +46,7 @@ def check_blocks(pool, owners) -> None:
     """Through the public API: each ref count equals the number of `owners`' tables holding the
     block, and every block not held is free (a leak makes num_free too small, a double free too
     large)."""
-    holders = Counter()
-    for owner in owners:
-        table = pool.table(owner)
-        assert len(set(table)) == len(table), f"{owner} holds a block twice: {table}"
-        holders.update(table)
-    for block in range(pool.num_blocks):
-        assert pool.ref_count(block) == holders[block], f"block {block}"
+    holders = assert_ref_counts(pool, owners)
     assert pool.num_free == pool.num_blocks - len(holders)
     assert pool.num_evictable <= min(pool.num_free, pool.num_cached_blocks)
 
