@@ -54,7 +54,7 @@ class Engine:
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"))
                 bar.update()
                 if sched.kernel == "auto" and sched.int8_max_tokens is None:
-                    bar.set_description("measuring kernels (once)")
+                    bar.set_description("int8/dense crossover")
                     sched.int8_max_tokens = cached_int8_crossover(
                         self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
                         key=str(loaded.source))
