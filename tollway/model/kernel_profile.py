@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -26,19 +27,20 @@ def model_linears(model: DecoderModel) -> list[Linear]:
 
 @torch.inference_mode()
 def matmul_floor_seconds(model: DecoderModel, kernel: str, num_tokens: int, repeats: int = 3) -> float:
-    """Best-of-`repeats` time for one pass through every linear layer at `num_tokens` rows."""
+    """Median time of `repeats` passes through every linear layer at `num_tokens` rows: the
+    median, like the step times it is compared with, so machine noise biases neither side."""
     linears = model_linears(model)
     device = model.embed.device
     inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, device=device) for lin in linears}
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for lin in linears:
             lin(inputs[lin.in_features], kernel)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def int8_crossover(model: DecoderModel, dense_kernel: str, sizes=(1, 2, 4, 8, 16, 32)) -> tuple[int, dict]:
