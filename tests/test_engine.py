@@ -25,6 +25,10 @@ def test_stop_string_cuts_text_and_finishes(engine, run_to_completion):
     assert out.finish_reason == "stop"
     assert out.text == free.text[:cut]
     assert len(out.token_ids) < 16
+    # The token that completes the stop string is also the last one max_tokens allows: still "stop".
+    [both], _ = run_to_completion(engine, ["Count: 1, 2, 3,"],
+                                  SamplingParams(temperature=0, max_tokens=len(out.token_ids), stop=[word]))
+    assert both.finish_reason == "stop" and both.text == out.text
 
 
 def test_stop_token_id_finishes(engine, run_to_completion):

@@ -105,8 +105,10 @@ class Engine:
         for req in self.scheduler.commit(plan, result):
             new_ids = [result.tokens[req.request_id].token_id] if req.request_id in result.tokens else []
             stream = self.streams.get(req.request_id)
-            if stream is not None and new_ids:
-                if stream.push(new_ids[0]) and not req.finished:
+            if stream is not None and new_ids and stream.push(new_ids[0]):
+                if req.finished:  # the same token also hit max_tokens: the stop string wins, as in OpenAI
+                    req.finish_reason = "stop"
+                else:
                     self.scheduler.finish(req.request_id, "stop")
             out = RequestOutput(
                 request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
