@@ -10,7 +10,6 @@ class DecoderModel:
     """A decoder-only LM: `forward` maps a step's tokens to final hidden states,
     `logits` applies the LM head to the rows that sample."""
 
-    num_layers: int
     layers: list  # each with .attn (qkv_proj, o_proj) and .mlp (gate_up, down)
     embed: torch.Tensor
     lm_head: Linear

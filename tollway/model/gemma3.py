@@ -36,7 +36,6 @@ class Gemma3Model(DecoderModel):
         }
         self.layers = [Gemma3Layer(tensors, build, i, cfg, rotary[cfg.layer_types[i]], device)
                        for i in range(cfg.num_layers)]
-        self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float32, device=device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 1.0, device)

@@ -26,7 +26,6 @@ class LlamaModel(DecoderModel):
     def __init__(self, cfg, tensors: dict[str, torch.Tensor], build: LinearBuilder, max_positions: int, device):
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device)
         self.layers = [LlamaLayer(tensors, build, i, cfg, rotary, device) for i in range(cfg.num_layers)]
-        self.num_layers = cfg.num_layers
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps

@@ -76,12 +76,14 @@ class ModelRunner:
             slots.extend(s.block_table[q // bs] * bs + q % bs for q in p)
             last_rows[s.request_id] = row + s.num_new - 1
             if not s.is_decode:
-                prefills.append(PrefillSpan(row, s.num_new, self._prefill_views(s)))
+                q_pos = torch.arange(s.start_pos, s.context_len, device=dev).unsqueeze(0)
+                prefills.append(PrefillSpan(row, s.num_new, self._views([s.block_table], q_pos)))
             row += s.num_new
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode=len(decodes),
-            decode_views=self._decode_views(decodes) if decodes else {},
+            decode_views=self._views([s.block_table for s in decodes],
+                                    torch.tensor([[s.start_pos] for s in decodes], device=dev)) if decodes else {},
             prefills=prefills,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
@@ -90,37 +92,30 @@ class ModelRunner:
     def _layer_types(self):
         return ("full", "sliding") if self.window else ("full",)
 
-    def _view(self, tables: list[tuple[int, ...]], q_pos: torch.Tensor, kind: str) -> AttentionView:
-        """Keys for a group of sequences whose query rows sit at positions q_pos [B, n].
-        Keys start at a block-aligned position so padding never reorders a sum."""
+    def _views(self, tables: list[tuple[int, ...]], q_pos: torch.Tensor) -> dict[str, AttentionView]:
+        """Per layer type, the keys for a group of sequences whose query rows sit at positions
+        q_pos [B, n]. Keys start at a block-aligned position so padding never reorders a sum."""
         dev, bs = self.device, self.block_size
         width = max(len(t) for t in tables)
         table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
         last = q_pos.amax(dim=1)  # [B]
-        if kind == "sliding":
-            first = (q_pos.amin(dim=1) - self.window + 1).clamp(min=0) // ATTENTION_BLOCK * ATTENTION_BLOCK
-        else:
-            first = torch.zeros_like(last)
-        span = int((last + 1 - first).max())
-        length = -(-span // ATTENTION_BLOCK) * ATTENTION_BLOCK
-        key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
-        in_table = key_pos <= last.unsqueeze(1)
-        slot_pos = torch.where(in_table, key_pos, 0)
-        slots = table.gather(1, slot_pos // bs) * bs + slot_pos % bs
-        allowed = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, L]
-        if kind == "sliding":
-            allowed &= key_pos.unsqueeze(1) > q_pos.unsqueeze(2) - self.window
-        bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
-        return AttentionView(slots, bias.unsqueeze(1))
-
-    def _decode_views(self, decodes: list[ScheduledSeq]) -> dict[str, AttentionView]:
-        q_pos = torch.tensor([[s.start_pos] for s in decodes], device=self.device)
-        tables = [s.block_table for s in decodes]
-        return {kind: self._view(tables, q_pos, kind) for kind in self._layer_types()}
-
-    def _prefill_views(self, s: ScheduledSeq) -> dict[str, AttentionView]:
-        q_pos = torch.arange(s.start_pos, s.context_len, device=self.device).unsqueeze(0)
-        return {kind: self._view([s.block_table], q_pos, kind) for kind in self._layer_types()}
+        views = {}
+        for kind in self._layer_types():
+            if kind == "sliding":
+                first = (q_pos.amin(dim=1) - self.window + 1).clamp(min=0) // ATTENTION_BLOCK * ATTENTION_BLOCK
+            else:
+                first = torch.zeros_like(last)
+            span = int((last + 1 - first).max())
+            length = -(-span // ATTENTION_BLOCK) * ATTENTION_BLOCK
+            key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
+            slot_pos = torch.where(key_pos <= last.unsqueeze(1), key_pos, 0)
+            slots = table.gather(1, slot_pos // bs) * bs + slot_pos % bs
+            allowed = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, L]
+            if kind == "sliding":
+                allowed &= key_pos.unsqueeze(1) > q_pos.unsqueeze(2) - self.window
+            bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+            views[kind] = AttentionView(slots, bias.unsqueeze(1))
+        return views
 
 
 def _read_int8(path: Path) -> dict[str, torch.Tensor]:
