@@ -7,11 +7,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tollway.config import SchedulerConfig
+from tollway.config import POLICIES, SchedulerConfig
 from tollway.request import Request, RequestState, SamplingParams
 from block_checks import assert_ref_counts
 from tollway.scheduler.plan import SampledToken, StepResult
 from tollway.scheduler.scheduler import Scheduler
+from tollway.scheduler.step_model import StepTimeModel
 
 EOS = 0
 
@@ -246,13 +247,13 @@ def test_budget_limits_tokens_and_max_num_seqs_limits_running():
     assert [s.request_id for s in plan.seqs] == ["r2", "r3"]
 
 
-def test_fcfs_across_tiers_and_head_of_line():
-    sched = make(max_num_seqs=1)
+@pytest.mark.parametrize("policy, order", [("fcfs", "abcd"), ("priority", "dacb"), ("lanes", "dacb")])
+def test_admission_order_across_tiers(policy, order):
+    sched = make(max_num_seqs=1, policy=policy)
     tiers = {"a": "standard", "b": "batch", "c": "standard", "d": "fast"}
     for rid, tier in tiers.items():
         sched.add(req(rid, [1, 2], max_tokens=1, tier=tier))
-    order = [p.seqs[0].request_id for p in run_to_end(sched)]
-    assert order == ["a", "b", "c", "d"]
+    assert "".join(p.seqs[0].request_id for p in run_to_end(sched)) == order
 
 
 def test_admission_stops_at_head_that_does_not_fit():
@@ -485,11 +486,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_model_len=st.integers(4, 40),
         caching=st.booleans(),
         seed=st.integers(0, 2**16),
+        policy=st.sampled_from(POLICIES),
+        shaped=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, max_num_seqs, budget, max_model_len, caching, seed):
-        self.sched = make(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, max_model_len=max_model_len,
-                          enable_prefix_caching=caching)
+    def setup(self, block_size, num_blocks, max_num_seqs, budget, max_model_len, caching, seed, policy, shaped):
+        config = SchedulerConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                 enable_prefix_caching=caching, int8_max_tokens=4, policy=policy)
+        # A step model makes lanes shape steps by time; tight targets make it skip and chunk.
+        config.tiers["fast"].tpot_target, config.tiers["standard"].tpot_target = 0.05, 0.08
+        config.tiers["fast"].reserved_kv_share = config.tiers["fast"].reserved_seq_share = 0.3
+        model = StepTimeModel({k: [0.02, 0.004, 0.003, 0.0] for k in ("int8", "fp32")}) if shaped else None
+        self.sched = Scheduler(config, model)
         self.runner = FakeRunner(self.sched, seed)
         self.added: list[Request] = []
         self.lengths: dict[str, int] = {}  # outputs seen so far; they only ever grow
@@ -502,7 +510,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             self.sched.add(r)
         except ValueError:
-            assert r.num_tokens == 0 or r.num_tokens >= self.sched.max_len
+            assert r.num_tokens == 0 or r.num_tokens >= self.sched.max_len(r.tier)
             return
         self.added.append(r)
 
@@ -515,6 +523,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not {s.request_id for s in plan.seqs} & set(plan.preempted)
         for rid in plan.preempted:
             assert self.sched.get(rid).state is RequestState.WAITING
+            assert self.sched.policy != "lanes" or self.sched.get(rid).tier != "fast"
         changed = self.sched.commit(plan, self.runner.execute(plan))
         for r in changed:
             assert r.finished or r.state is RequestState.RUNNING
@@ -547,7 +556,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in self.added:
             assert len(r.output_token_ids) >= self.lengths.get(r.request_id, 0), "lost outputs"
             self.lengths[r.request_id] = len(r.output_token_ids)
-            assert len(r.output_token_ids) <= r.params.max_tokens and r.num_tokens <= sched.max_len
+            assert len(r.output_token_ids) <= r.params.max_tokens and r.num_tokens <= sched.max_len(r.tier)
             if r.finished:
                 assert r.finish_reason in ("stop", "length", "abort") and sched.get(r.request_id) is None
                 assert sched.pool.table(r.request_id) == ()

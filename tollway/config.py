@@ -1,9 +1,62 @@
-"""Engine and scheduler settings (plain dataclasses; no torch here)."""
+"""Engine, scheduler and tier settings (plain dataclasses; no torch here), from TOML or code."""
 from __future__ import annotations
 
+import dataclasses
+import math
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 KERNELS = ("int8", "bf16", "fp32")
+POLICIES = ("lanes", "priority", "fcfs")
+TIERS = ("fast", "standard", "batch")  # in priority order
+
+
+@dataclass
+class TierSpec:
+    """One lane. Times are seconds; prices are per million tokens."""
+
+    name: str
+    priority: int  # admission order, lower first
+    # fast: every step that carries a fast request is shaped to this. standard: the p99 TPOT
+    # SLO that bounds the batch size. None: no target.
+    tpot_target: float | None = None
+    ttft_target: float | None = None  # reported against, not scheduled for
+    reserved_kv_share: float = 0.0  # of the KV blocks, held back from the other tiers
+    reserved_seq_share: float = 0.0  # of max_num_seqs, held back from the other tiers
+    preemptible: bool = True
+    max_queue: int = 1024  # waiting requests; past this, new ones are refused
+    window: float | None = None  # finish within this long of arrival (the batch lane ages into it)
+    price_input_per_m: float = 0.0
+    price_output_per_m: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("reserved_kv_share", "reserved_seq_share"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"tiers.{self.name}.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        for name in ("tpot_target", "ttft_target", "window"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"tiers.{self.name}.{name} must be > 0 seconds, got {value!r}")
+        if self.max_queue < 1:
+            raise ValueError(f"tiers.{self.name}.max_queue must be >= 1, got {self.max_queue!r}")
+        if self.price_input_per_m < 0 or self.price_output_per_m < 0:
+            raise ValueError(f"tiers.{self.name} prices must be >= 0")
+
+
+def default_tiers() -> dict[str, TierSpec]:
+    """Targets sized for Gemma 3 270M on a 2-core CPU: a lone decode step takes ~75 ms and a
+    64-sequence step ~1 s, so fast at 0.12 s/token is ~8x standard's per-user speed. Prices
+    follow the hosted APIs: priority ~2x (here 3x), batch -50%."""
+    return {
+        "fast": TierSpec("fast", 0, tpot_target=0.12, ttft_target=1.0, reserved_kv_share=0.1,
+                         reserved_seq_share=0.125, preemptible=False, max_queue=64,
+                         price_input_per_m=0.30, price_output_per_m=1.20),
+        "standard": TierSpec("standard", 1, tpot_target=2.0, ttft_target=10.0, max_queue=1024,
+                             price_input_per_m=0.10, price_output_per_m=0.40),
+        "batch": TierSpec("batch", 2, window=24 * 3600.0, max_queue=100_000,
+                          price_input_per_m=0.05, price_output_per_m=0.20),
+    }
 
 
 @dataclass
@@ -20,8 +73,23 @@ class SchedulerConfig:
     # larger steps use `dense_kernel`. None: measured on this machine at the first start, then cached.
     int8_max_tokens: int | None = None
     dense_kernel: str = "fp32"
+    # lanes: tiers with reservations and step shaping; priority: vLLM's priority scheduling
+    # (reorder only); fcfs: one queue in arrival order, vLLM's default.
+    policy: str = "lanes"
+    tiers: dict[str, TierSpec] = field(default_factory=default_tiers)
 
     def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if sorted(self.tiers) != sorted(TIERS):
+            raise ValueError(f"tiers must be exactly {', '.join(TIERS)}, got {', '.join(self.tiers)}")
+        for tier in self.tiers.values():
+            tier.validate()
+        for what, total in (("kv", self.num_blocks), ("seq", self.max_num_seqs)):
+            held_back = sum(self.reserved(what, t) for t in self.tiers)
+            for t in self.tiers:
+                if total - held_back + self.reserved(what, t) < 1:
+                    raise ValueError(f"reserved_{what}_share leaves tier {t} nothing of {total}")
         if self.kernel not in KERNELS + ("auto",):
             raise ValueError(f"kernel must be one of {', '.join(KERNELS + ('auto',))}, got {self.kernel!r}")
         if self.dense_kernel not in KERNELS:
@@ -29,6 +97,13 @@ class SchedulerConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def reserved(self, what: str, tier: str) -> int:
+        """Blocks ("kv") or sequence slots ("seq") only `tier` may use; none outside lanes."""
+        if self.policy != "lanes":
+            return 0
+        share = getattr(self.tiers[tier], f"reserved_{what}_share")
+        return math.floor(share * (self.num_blocks if what == "kv" else self.max_num_seqs))
 
     def kernels_to_load(self) -> set[str]:
         if self.kernel != "auto":
@@ -48,3 +123,33 @@ class EngineConfig:
     device: str = "auto"  # "cpu", "cuda", or "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
     cache_dir: str | None = None  # converted-weights cache; None = the user's cache directory
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    """An EngineConfig from TOML: top-level engine fields, a [scheduler] table, and
+    [tiers.<name>] tables that override the defaults field by field."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path} is not valid TOML: {e}") from None
+    sched = data.pop("scheduler", {})
+    tiers = default_tiers()
+    for name, fields in data.pop("tiers", {}).items():
+        if name not in tiers:
+            raise ValueError(f"config {path}: unknown tier {name!r} (tiers are {', '.join(TIERS)})")
+        tiers[name] = _replace(tiers[name], fields, f"tiers.{name}", path)
+    config = _replace(EngineConfig(), data, "", path)
+    config.scheduler = _replace(SchedulerConfig(tiers=tiers), sched, "scheduler", path)
+    config.scheduler.validate()
+    return config
+
+
+def _replace(obj, fields: dict, section: str, path):
+    known = {f.name for f in dataclasses.fields(obj)} - {"scheduler", "tiers", "name"}
+    unknown = set(fields) - known
+    if unknown:
+        where = f"[{section}]" if section else "top level"
+        raise ValueError(f"config {path}: unknown key(s) {', '.join(sorted(unknown))} in {where}")
+    return dataclasses.replace(obj, **fields)

@@ -42,6 +42,8 @@ class StepPlan:
     seqs: list[ScheduledSeq]
     kernel: str  # "int8" | "bf16" | "fp32": which linear-layer kernel the runner uses
     preempted: list[str] = field(default_factory=list)
+    predicted_seconds: float | None = None  # the step model's forecast, when there is one
+    budget_seconds: float | None = None  # the time the step was shaped to fit, if any
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +67,9 @@ class StepPlan:
         if prefills:
             parts.append(f"+ {len(prefills)} prefill ({self.num_prefill_tokens} tok)")
         parts.append(f"over {self.context_tokens} ctx, kernel {self.kernel}")
+        if self.predicted_seconds is not None:
+            budget = f" of {self.budget_seconds * 1e3:.0f} ms" if self.budget_seconds else ""
+            parts.append(f"predicted {self.predicted_seconds * 1e3:.0f} ms{budget}")
         if self.preempted:
             parts.append(f"; preempted {', '.join(self.preempted)}")
         return " ".join(parts)

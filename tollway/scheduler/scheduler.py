@@ -1,66 +1,146 @@
-"""Continuous batching over the block pool: queues, admission, preemption -> StepPlan.
+"""Continuous batching over the block pool: queues, admission, preemption, step shaping -> StepPlan.
 
 One token-budget model for prefill and decode alike (as in vLLM v1): every request knows how
 many of its tokens have KV in the cache (num_computed_tokens), and each step gives it up to
 num_tokens - num_computed_tokens more. A long prompt is thus cut into chunks that share steps
 with running decodes instead of stalling them.
+
+Three policies share this code, so they can be measured on one engine:
+  fcfs      one queue in arrival order; preempt the newest (vLLM's default)
+  priority  admission and preemption by tier priority only (vLLM --scheduling-policy priority)
+  lanes     tiers with reserved capacity, and steps shaped by predicted time: while a fast
+            request runs, each step is the largest that meets the fast TPOT target; otherwise
+            the largest that keeps standard within its TPOT SLO. Batch fills what is left.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from tollway.scheduler.step_model import StepShape, StepTimeModel
+
+RETRY_AFTER_SECONDS = 1
+
+
+class QueueFullError(ValueError):
+    """A tier's waiting queue is at its bound: the request is refused, not queued."""
+
+    def __init__(self, tier: str, bound: int):
+        super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
+        self.tier = tier
+        self.retry_after = RETRY_AFTER_SECONDS
+
+
+class _Step:
+    """The plan being built, with its predicted time against the step's time budget."""
+
+    def __init__(self, sched: Scheduler, seconds: float | None):
+        self.sched = sched
+        self.seconds = seconds  # None: only the token budget and seq cap limit the step
+        self.tokens_left = sched.config.max_num_batched_tokens
+        self.seqs: list[ScheduledSeq] = []
+        self.shape = StepShape("")
+
+    def predict(self, shape: StepShape) -> float:
+        model = self.sched.step_model
+        return model.predict(shape.with_kernel(self.sched.config.kernel_for(shape.tokens))) if model else 0.0
+
+    def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
+        """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
+        `must` (a fast request) gets at least one block's worth even past the time budget."""
+        n = min(remaining, self.tokens_left)
+        if n <= 0 or len(self.seqs) >= self.sched.config.max_num_seqs:
+            return 0
+        if self.seconds is None:
+            return n
+        lo, hi = 0, n  # the largest fitting count: time grows with tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(start, mid, mid == remaining and samples_at_end):
+                lo = mid
+            else:
+                hi = mid - 1
+        if must:
+            lo = max(lo, min(n, self.sched.pool.block_size))
+        return lo
+
+    def _fits(self, start: int, n: int, sample: bool) -> bool:
+        return self.predict(self.shape.plus(start, n, sample)) <= self.seconds
+
+    def add(self, seq: ScheduledSeq) -> None:
+        self.seqs.append(seq)
+        self.tokens_left -= seq.num_new
+        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.sample)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, step_model: StepTimeModel | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`step_model` shapes steps under the lanes policy (without one, only token budgets
+        apply); `clock` stamps request times (the simulator passes its own)."""
         config.validate()
         if config.kernel == "auto" and config.int8_max_tokens is None:
             raise ValueError("kernel='auto' needs int8_max_tokens: measure it (the engine does at first start) or set it")
         self.config = config
+        self.tiers = config.tiers
+        self.policy = config.policy
+        self.step_model = step_model
+        self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        # The pool bounds a request's length as max_model_len does: a lone request must always
-        # fit once everything else is preempted, or it could never finish. Its last token needs
-        # no KV, hence the + 1.
-        self.max_len = min(config.max_model_len, self.pool.capacity_tokens + 1)
-        # Read-only views for metrics. Queues are per tier so tier policies can slot in; for now
-        # admission is FCFS across all of them.
-        self.waiting: dict[str, deque[Request]] = {}
+        self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
+        # Read-only views for metrics.
+        self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._arrival: dict[str, int] = {}
+        self._admitted: dict[str, int] = {}  # rid -> admission counter (newest is largest)
+        self._last_step: dict[str, int] = {}  # rid -> step it last ran in (skipped ones go first)
+        self._held = {t: 0 for t in self.tiers}  # KV blocks held, per tier
+        self._num_running = {t: 0 for t in self.tiers}
         self._block_hashes: dict[str, list[bytes]] = {}  # kept across preemptions: hash once
-        self._num_arrived = 0
+        self._counter = 0
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
 
     # ---- requests in and out ------------------------------------------------------------
 
+    def max_len(self, tier: str) -> int:
+        """Longest request (prompt + output) a tier can run. The pool bounds it as max_model_len
+        does: a lone request must always fit once everything else is preempted, or it could
+        never finish. Its last token needs no KV, hence the + 1."""
+        blocks = self.pool.num_blocks - sum(r for t, r in self._reserved["kv"].items() if t != tier)
+        return min(self.config.max_model_len, blocks * self.pool.block_size + 1)
+
     def add(self, request: Request) -> None:
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
+        if request.tier not in self.tiers:
+            raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if num_prompt == 0:
             raise ValueError("prompt is empty")
         if num_prompt >= self.config.max_model_len:
             raise ValueError(f"prompt is {num_prompt} tokens, but the context is {self.config.max_model_len}")
-        if num_prompt >= self.max_len:
+        if num_prompt >= self.max_len(request.tier):
             raise ValueError(
-                f"prompt is {num_prompt} tokens, but the KV cache holds only {self.pool.capacity_tokens} "
-                f"({self.pool.num_blocks} blocks of {self.pool.block_size})"
+                f"prompt is {num_prompt} tokens, but the KV cache holds only {self.max_len(request.tier) - 1} "
+                f"for the {request.tier} tier ({self.pool.num_blocks} blocks of {self.pool.block_size})"
             )
         request.params.validate()
+        queue = self.waiting[request.tier]
+        if len(queue) >= self.tiers[request.tier].max_queue:
+            raise QueueFullError(request.tier, self.tiers[request.tier].max_queue)
         request.state = RequestState.WAITING
         self._requests[rid] = request
-        self._arrival[rid] = self._num_arrived
-        self._num_arrived += 1
+        self._arrival[rid] = self._tick()
         self._block_hashes[rid] = []
-        self.waiting.setdefault(request.tier, deque()).append(request)
+        queue.append(request)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish a waiting or running request (e.g. the engine matched a stop string) and free
@@ -88,53 +168,32 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def held_blocks(self, tier: str) -> int:
+        return self._held[tier]
+
+    def running_in(self, tier: str) -> int:
+        return self._num_running[tier]
+
     # ---- the step -----------------------------------------------------------------------
 
     def plan(self) -> StepPlan:
         self._step_id += 1
         self._in_flight = {}
-        budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        now = self.clock()
+        step = _Step(self, self._time_budget())
         preempted: list[str] = []
-
-        for request in list(self.running.values()):
-            if budget == 0 or request.state is not RequestState.RUNNING:
-                break  # out of tokens, or preempted by an older request (as are all after it)
-            n = min(budget, request.num_tokens - request.num_computed_tokens)
-            if not self._make_room(request, request.num_computed_tokens + n, preempted):
-                break  # it preempted itself, and every request newer than it went before
-            seqs.append(self._schedule(request, n))
-            budget -= n
-
-        # Admitting right after preempting would only hand the freed blocks to a newcomer and
-        # thrash; vLLM makes the same call.
-        if not preempted:
-            now = time.monotonic()
-            while budget and len(self.running) < self.config.max_num_seqs:
-                queue = self._next_queue()
-                if queue is None:
-                    break
-                request = queue[0]
-                rid = request.request_id
-                # At least one token is always left to compute, so the step yields logits.
-                cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1,
-                                                self._block_hashes[rid])
-                n = min(budget, request.num_tokens - cached)
-                if not self.pool.allocate(rid, cached + n):
-                    self.pool.free(rid)
-                    break  # FCFS: nobody overtakes the head of the queue
-                queue.popleft()
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                    request.num_cached_prompt_tokens = cached
-                request.num_computed_tokens = cached
-                request.state = RequestState.RUNNING
-                self.running[rid] = request
-                seqs.append(self._schedule(request, n))
-                budget -= n
-
-        num_tokens = sum(s.num_new for s in seqs)
-        return StepPlan(self._step_id, seqs, self.config.kernel_for(num_tokens), preempted)
+        for kind, requests in self._phases(now):
+            if kind == "run":
+                for request in requests:
+                    if request.state is RequestState.RUNNING:  # else preempted earlier in this step
+                        self._continue(request, step, preempted)
+            # Admitting right after preempting would only hand the freed blocks to a newcomer
+            # and thrash; vLLM makes the same call. Fast is the exception: it preempts to get in.
+            elif kind == "admit fast" or not preempted:
+                self._admit(requests, step, preempted, now, force=kind == "admit fast")
+        kernel = self.config.kernel_for(step.shape.tokens)
+        predicted = step.predict(step.shape) if self.step_model and step.seqs else None
+        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.seconds)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
@@ -142,8 +201,10 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if plan.step_id != self._step_id or self._in_flight is None:
             raise ValueError(f"step {plan.step_id} is not the latest uncommitted plan")
+        if self.step_model is not None and plan.seqs:
+            self.step_model.observe(StepShape.of(plan), result.seconds)
         bs = self.pool.block_size
-        now = time.monotonic()
+        now = self.clock()
         changed: list[Request] = []
         for seq in plan.seqs:
             request = self._in_flight[seq.request_id]
@@ -172,11 +233,145 @@ class Scheduler:
         self._in_flight = None
         return changed
 
-    # ---- internals ----------------------------------------------------------------------
+    # ---- policy -------------------------------------------------------------------------
+
+    def _time_budget(self) -> float | None:
+        if self.policy != "lanes" or self.step_model is None:
+            return None
+        if self.waiting["fast"] or self._num_running["fast"]:
+            return self.tiers["fast"].tpot_target
+        return self.tiers["standard"].tpot_target
+
+    def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
+        """What the step considers, in order: ("run", running requests to continue) and
+        ("admit", waiting requests in admission order; the first that does not fit stops it)."""
+        if self.policy == "fcfs":
+            yield "run", list(self.running.values())
+            yield "admit", sorted((r for q in self.waiting.values() for r in q),
+                                  key=lambda r: self._arrival[r.request_id])
+            return
+        if self.policy == "priority":
+            rank = {t: spec.priority for t, spec in self.tiers.items()}
+            yield "run", sorted(self.running.values(), key=lambda r: (rank[r.tier], self._admitted[r.request_id]))
+            yield "admit", sorted((r for q in self.waiting.values() for r in q),
+                                  key=lambda r: (rank[r.tier], self._arrival[r.request_id]))
+            return
+        # lanes. Skipped requests go first next time, so a capped step rotates fairly.
+        def by_turn(requests):
+            return sorted(requests, key=lambda r: (self._last_step.get(r.request_id, 0), self._admitted[r.request_id]))
+
+        running = list(self.running.values())
+        urgent = {r.request_id for r in running + list(self.waiting["batch"]) if self._urgent(r, now)}
+        yield "run", by_turn(r for r in running if r.tier == "fast")
+        yield "admit fast", list(self.waiting["fast"])
+        yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent)
+        late_batch = sorted((r for r in self.waiting["batch"] if r.request_id in urgent),
+                            key=lambda r: r.arrival_time)
+        yield "admit", late_batch + list(self.waiting["standard"])
+        yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent)
+        if not self.waiting["standard"]:  # batch takes only what standard leaves
+            yield "admit", [r for r in self.waiting["batch"] if r.request_id not in urgent]
+
+    def _urgent(self, request: Request, now: float) -> bool:
+        """A batch request whose window is closing: it runs as standard from now on. Due when
+        what is left, at standard's per-token SLO, would take it to within a half of its window."""
+        window = self.tiers[request.tier].window
+        if request.tier != "batch" or window is None:
+            return False
+        per_token = self.tiers["standard"].tpot_target or 1.0
+        left = request.params.max_tokens - len(request.output_token_ids) + 1
+        return now + 1.5 * left * per_token >= request.arrival_time + window or now >= request.arrival_time + window / 2
+
+    def _victims(self, request: Request) -> list[Request]:
+        """Running requests `request` may preempt for room, first choice first; only ones not
+        yet in this step's plan."""
+        others = [r for r in self.running.values() if r.request_id not in self._in_flight and r is not request]
+        if self.policy == "fcfs":
+            return sorted(others, key=lambda r: -self._admitted[r.request_id])
+        rank = {t: spec.priority for t, spec in self.tiers.items()}
+        mine = rank[request.tier]
+        if self.policy == "priority":
+            return sorted((r for r in others if rank[r.tier] >= mine),
+                          key=lambda r: (-rank[r.tier], -self._admitted[r.request_id]))
+        # lanes: batch before standard; the newest, least-progressed first. Fast is never a victim.
+        return sorted((r for r in others if self.tiers[r.tier].preemptible and rank[r.tier] >= mine),
+                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -self._admitted[r.request_id]))
+
+    def _reserve_against(self, tier: str) -> int:
+        """Blocks that must stay free when `tier` allocates: other tiers' unused reservations."""
+        return sum(max(0, r - self._held[t]) for t, r in self._reserved["kv"].items() if t != tier)
+
+    def _free_slots(self, tier: str) -> int:
+        held_back = sum(max(0, r - self._num_running[t]) for t, r in self._reserved["seq"].items() if t != tier)
+        return self.config.max_num_seqs - len(self.running) - held_back
+
+    def _may_admit_decode(self, request: Request) -> bool:
+        """Under lanes, standard's SLO caps the batch: admit only if the decode step with this
+        request added would still be predicted within it."""
+        slo = self.tiers["standard"].tpot_target
+        if self.policy != "lanes" or self.step_model is None or slo is None or request.tier == "fast":
+            return True
+        shape = StepShape("")
+        for r in self.running.values():
+            shape = shape.plus(r.num_tokens, 1, True)
+        shape = shape.plus(request.num_tokens, 1, True)
+        return self.step_model.predict(shape.with_kernel(self.config.kernel_for(shape.tokens))) <= slo
+
+    def _fast_fits_to_the_end(self, request: Request) -> bool:
+        """Fast is never preempted, so fast requests never compete for KV among themselves: one
+        is admitted only if every running fast request can still grow to its full length."""
+        def worst(r: Request) -> int:
+            # The last token is sampled but never fed back, so it needs no KV.
+            return self.pool.blocks_for(min(len(r.prompt_token_ids) + r.params.max_tokens, self.max_len(r.tier)) - 1)
+        committed = sum(worst(r) for r in self.running.values() if r.tier == request.tier)
+        return committed + worst(request) <= self.pool.num_blocks
+
+    # ---- mechanics ----------------------------------------------------------------------
+
+    def _continue(self, request: Request, step: _Step, preempted: list[str]) -> None:
+        start = request.num_computed_tokens
+        must = self.policy == "lanes" and request.tier == "fast"
+        n = step.chunk(start, request.num_tokens - start, True, must)
+        if n and self._make_room(request, start + n, preempted):
+            step.add(self._schedule(request, n))
+
+    def _admit(self, requests: Iterable[Request], step: _Step, preempted: list[str], now: float, force: bool) -> None:
+        """Admit from `requests` in order until one does not fit. `force`: preempt for it."""
+        for request in requests:
+            rid = request.request_id
+            if force and not self._fast_fits_to_the_end(request):
+                return
+            while force and self._free_slots(request.tier) <= 0:
+                if not self._preempt_for(request, preempted):
+                    return
+            if self._free_slots(request.tier) <= 0 or not self._may_admit_decode(request):
+                return
+            # At least one token is always left to compute, so the step yields logits.
+            cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, self._block_hashes[rid])
+            self._held[request.tier] += len(self.pool.table(rid))
+            n = step.chunk(cached, request.num_tokens - cached, True, must=force)
+            if n == 0:
+                self._release(request)
+                return
+            while not self._allocate(request, cached + n):
+                if not (force and self._preempt_for(request, preempted)):
+                    self._release(request)
+                    return  # head of the line waits; nobody overtakes it
+            self.waiting[request.tier].remove(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_prompt_tokens = cached
+            request.num_computed_tokens = cached
+            request.state = RequestState.RUNNING
+            self.running[rid] = request
+            self._admitted[rid] = self._tick()
+            self._num_running[request.tier] += 1
+            step.add(self._schedule(request, n))
 
     def _schedule(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
+        self._last_step[request.request_id] = self._step_id
         return ScheduledSeq(
             request_id=request.request_id,
             tier=request.tier,
@@ -187,38 +382,53 @@ class Scheduler:
             params=request.params,
         )
 
+    def _allocate(self, request: Request, num_tokens: int) -> bool:
+        before = len(self.pool.table(request.request_id))
+        ok = self.pool.allocate(request.request_id, num_tokens, reserve=self._reserve_against(request.tier))
+        self._held[request.tier] += len(self.pool.table(request.request_id)) - before
+        return ok
+
+    def _release(self, request: Request) -> None:
+        self._held[request.tier] -= len(self.pool.table(request.request_id))
+        self.pool.free(request.request_id)
+
     def _make_room(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
-        """Give `request` blocks for num_tokens, preempting the newest-admitted running requests
-        until they fit. False if `request` itself had to go."""
-        while not self.pool.allocate(request.request_id, num_tokens):
-            victim = self._preempt_newest()
-            preempted.append(victim.request_id)
-            if victim is request:
+        """Give `request` blocks for num_tokens, preempting others until they fit. False if it
+        could not grow this step: it preempted itself, or (fast, never preempted) it waits."""
+        while not self._allocate(request, num_tokens):
+            if self._preempt_for(request, preempted):
+                continue
+            if self.policy == "lanes" and not self.tiers[request.tier].preemptible:
                 return False
+            self._preempt(request, preempted)
+            return False
         return True
 
-    def _preempt_newest(self) -> Request:
+    def _preempt_for(self, request: Request, preempted: list[str]) -> bool:
+        victims = self._victims(request)
+        if not victims:
+            return False
+        self._preempt(victims[0], preempted)
+        return True
+
+    def _preempt(self, victim: Request, preempted: list[str]) -> None:
         """Preempt by recompute: drop its KV; its tokens (prompt and output) are kept, and it
         rejoins the front of its queue, to be prefilled again from whatever is still cached."""
-        rid, victim = self.running.popitem()
-        self.pool.free(rid)
+        rid = victim.request_id
+        del self.running[rid]
+        self._num_running[victim.tier] -= 1
+        self._release(victim)
         victim.state = RequestState.WAITING
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting[victim.tier].appendleft(victim)
-        return victim
-
-    def _next_queue(self) -> deque[Request] | None:
-        heads = [q for q in self.waiting.values() if q]
-        if not heads:
-            return None
-        return min(heads, key=lambda q: self._arrival[q[0].request_id])
+        preempted.append(rid)
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_len:
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_len(request.tier):
             return "length"
         return None
 
@@ -226,15 +436,19 @@ class Scheduler:
         rid = request.request_id
         if request.state is RequestState.RUNNING:
             del self.running[rid]
+            self._num_running[request.tier] -= 1
         else:
             self.waiting[request.tier].remove(request)
-        self.pool.free(rid)
-        del self._requests[rid]
-        del self._arrival[rid]
-        del self._block_hashes[rid]
+        self._release(request)
+        for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step):
+            table.pop(rid, None)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
+
+    def _tick(self) -> int:
+        self._counter += 1
+        return self._counter
 
 
 def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:

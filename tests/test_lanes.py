@@ -1,0 +1,262 @@
+"""The lanes policy, pure Python and deterministic: a fake step model stands in for the
+runner, and a fake clock advances by each step's predicted time."""
+import random
+
+import pytest
+
+from tollway.config import SchedulerConfig, default_tiers
+from tollway.request import Request, SamplingParams
+from tollway.scheduler.plan import SampledToken, StepResult
+from tollway.scheduler.scheduler import QueueFullError, Scheduler
+from tollway.scheduler.step_model import StepShape, StepTimeModel
+
+# Rough shape of the real CPU numbers: int8 cheap to start and steep per token, fp32 the opposite.
+COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002], "fp32": [0.060, 0.0020, 0.0120, 0.00002]}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def lanes(clock=None, tiers=None, **overrides) -> Scheduler:
+    config = SchedulerConfig(**{"int8_max_tokens": 32, "num_blocks": 1024, "block_size": 16, **overrides})
+    if tiers:
+        for name, fields in tiers.items():
+            for k, v in fields.items():
+                setattr(config.tiers[name], k, v)
+    return Scheduler(config, StepTimeModel(COEFFS), clock or Clock())
+
+
+def request(rid, tier, prompt_len=32, max_tokens=64, arrival=1000.0) -> Request:
+    prompt = [1 + (hash((rid, i)) % 50) for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                   tier=tier, arrival_time=arrival)
+
+
+def run_step(sched: Scheduler):
+    """Plan, 'execute' in the predicted time, commit. Returns the plan."""
+    plan = sched.plan()
+    seconds = plan.predicted_seconds or 0.0
+    sched.clock.now += seconds
+    tokens = {s.request_id: SampledToken(7) for s in plan.seqs if s.sample}
+    sched.commit(plan, StepResult(plan.step_id, tokens, seconds))
+    return plan
+
+
+def fast_only_seconds(sched, plan) -> float:
+    shape = StepShape("")
+    for s in plan.seqs:
+        if s.tier == "fast":
+            shape = shape.plus(s.start_pos, s.num_new, s.sample)
+    return sched.step_model.predict(shape.with_kernel(sched.config.kernel_for(shape.tokens)))
+
+
+def test_fast_steps_meet_the_target_and_fill_it():
+    sched = lanes()
+    target = sched.tiers["fast"].tpot_target
+    for i in range(64):
+        sched.add(request(f"s{i}", "standard", max_tokens=400))
+    for _ in range(20):
+        run_step(sched)
+    for i in range(3):
+        sched.add(request(f"f{i}", "fast", prompt_len=40, max_tokens=30, arrival=sched.clock.now))
+    plans = [run_step(sched) for _ in range(40)]
+    with_fast = [p for p in plans if any(s.tier == "fast" for s in p.seqs)]
+    assert len(with_fast) >= 30
+    for p in with_fast:
+        assert p.budget_seconds == target
+        assert p.predicted_seconds <= target + 1e-12 or fast_only_seconds(sched, p) > target
+        # Standard work is waiting to run, so no room is wasted.
+        assert p.predicted_seconds >= 0.9 * target
+    # The fast requests finished long before any standard one.
+    assert all(sched.get(f"f{i}") is None for i in range(3))
+    assert all(sched.get(f"s{i}") is not None for i in range(64))
+
+
+def test_waiting_fast_is_prefilled_in_the_very_next_step():
+    sched = lanes()
+    for i in range(40):
+        sched.add(request(f"s{i}", "standard", prompt_len=100, max_tokens=200))
+    for _ in range(5):
+        run_step(sched)
+    sched.add(request("f", "fast", prompt_len=200, max_tokens=5))
+    plan = run_step(sched)
+    (fast,) = [s for s in plan.seqs if s.tier == "fast"]
+    assert fast.start_pos == 0 and fast.num_new >= 16
+    # A long prompt goes in chunks that keep each step inside the target.
+    assert plan.predicted_seconds <= sched.tiers["fast"].tpot_target
+    assert fast.num_new < 200
+
+
+def test_standard_batch_grows_to_the_largest_that_meets_its_slo():
+    sizes = {}
+    for slo in (0.2, 0.5, 1.0):
+        sched = lanes(tiers={"standard": {"tpot_target": slo}}, max_num_seqs=256, max_num_batched_tokens=4096)
+        for i in range(200):
+            sched.add(request(f"s{i}", "standard", prompt_len=16, max_tokens=1000))
+        for _ in range(60):
+            plan = run_step(sched)
+            assert plan.predicted_seconds <= slo
+        sizes[slo] = sched.num_running
+        # One more decode would break the SLO.
+        shape = StepShape("")
+        for r in sched.running.values():
+            shape = shape.plus(r.num_tokens, 1, True)
+        shape = shape.plus(16, 1, True)
+        assert sched.step_model.predict(shape.with_kernel(sched.config.kernel_for(shape.tokens))) > slo
+    assert sizes[0.2] < sizes[0.5] < sizes[1.0]
+
+
+def test_batch_never_pushes_standard_past_its_slo():
+    sched = lanes(tiers={"standard": {"tpot_target": 0.5}})
+    last_token = {}
+    gaps = []
+    for i in range(30):
+        sched.add(request(f"s{i}", "standard", max_tokens=50))
+    for i in range(100):
+        sched.add(request(f"b{i}", "batch", max_tokens=50))
+    for _ in range(300):
+        plan = run_step(sched)
+        assert plan.predicted_seconds is None or plan.predicted_seconds <= 0.5
+        for s in plan.seqs:
+            if s.tier == "standard" and s.sample:
+                if s.request_id in last_token:
+                    gaps.append(sched.clock.now - last_token[s.request_id])
+                last_token[s.request_id] = sched.clock.now
+    assert gaps and max(gaps) <= 0.5 + 1e-9
+    assert sum(r.tier == "batch" for r in sched.running.values()) > 0 or not sched.waiting["batch"]
+
+
+def test_batch_finishes_within_its_window_under_steady_standard_load():
+    window = 60.0
+    sched = lanes(tiers={"batch": {"window": window}, "standard": {"tpot_target": 0.5}}, max_num_seqs=32)
+    sched.add(request("b", "batch", max_tokens=20, arrival=sched.clock.now))
+    start = sched.clock.now
+    n = 0
+    finished_at = None
+    while sched.clock.now - start < 3 * window:
+        # Keep standard saturating: there is always more standard work than seats.
+        while len(sched.waiting["standard"]) < 40:
+            sched.add(request(f"s{n}", "standard", max_tokens=30))
+            n += 1
+        run_step(sched)
+        if finished_at is None and sched.get("b") is None:
+            finished_at = sched.clock.now
+    assert finished_at is not None and finished_at - start <= window
+    # It was held back while it could wait: batch does not run early under full standard load.
+    assert finished_at - start > window / 4
+
+
+def test_batch_starves_without_aging():
+    sched = lanes(tiers={"batch": {"window": None}, "standard": {"tpot_target": 0.5}}, max_num_seqs=32)
+    sched.add(request("b", "batch", max_tokens=20))
+    n = 0
+    for _ in range(400):
+        while len(sched.waiting["standard"]) < 40:
+            sched.add(request(f"s{n}", "standard", max_tokens=30))
+            n += 1
+        plan = run_step(sched)
+        assert all(s.tier == "standard" for s in plan.seqs)
+
+
+def test_fast_preempts_batch_then_standard_newest_first_and_is_never_preempted():
+    # 8 blocks of 4; fast holds a reservation of 1 block and 1 seat.
+    sched = lanes(num_blocks=8, block_size=4, max_num_seqs=4, enable_prefix_caching=False,
+                  tiers={"fast": {"reserved_kv_share": 0.125, "reserved_seq_share": 0.25}})
+    for rid, tier in (("s0", "standard"), ("b0", "batch"), ("s1", "standard")):
+        sched.add(request(rid, tier, prompt_len=7, max_tokens=40))
+        run_step(sched)
+    assert sched.num_running == 3  # the fourth seat is fast's
+    sched.add(request("f0", "fast", prompt_len=8, max_tokens=40))
+    plan = run_step(sched)
+    assert plan.preempted == ["b0"] and "f0" in {s.request_id for s in plan.seqs}
+    sched.add(request("f1", "fast", prompt_len=8, max_tokens=40))
+    plan = run_step(sched)
+    assert plan.preempted == ["s1"]
+    for _ in range(200):
+        plan = run_step(sched)
+        assert not {"f0", "f1"} & set(plan.preempted)
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+
+
+def test_reservations_hold_back_seats_and_blocks():
+    sched = lanes(num_blocks=40, block_size=4, max_num_seqs=8, enable_prefix_caching=False,
+                  tiers={"fast": {"reserved_kv_share": 0.25, "reserved_seq_share": 0.25}})
+    for i in range(20):
+        sched.add(request(f"s{i}", "standard", prompt_len=10, max_tokens=100))
+    seats, blocks = set(), set()
+    for _ in range(60):
+        run_step(sched)
+        seats.add(sched.num_running)
+        blocks.add(sched.pool.num_used)
+    assert max(seats) == 6 and 26 < max(blocks) <= 30  # both caps were reached, neither passed
+    sched.add(request("f", "fast", prompt_len=30, max_tokens=5))
+    plan = run_step(sched)
+    assert "f" in {s.request_id for s in plan.seqs} and not plan.preempted
+
+
+def test_queue_bounds_refuse_cleanly():
+    sched = lanes(tiers={"fast": {"max_queue": 2}})
+    sched.add(request("f0", "fast"))
+    sched.add(request("f1", "fast"))
+    with pytest.raises(QueueFullError, match="fast queue is full") as refused:
+        sched.add(request("f2", "fast"))
+    assert refused.value.tier == "fast" and refused.value.retry_after >= 1
+    assert sched.get("f2") is None and sched.num_waiting == 2
+    sched.add(request("s0", "standard"))  # other lanes are unaffected
+    run_step(sched)  # both fast requests are admitted: the queue has room again
+    sched.add(request("f2", "fast"))
+
+
+def test_unknown_tier_is_refused():
+    with pytest.raises(ValueError, match="unknown tier 'gold'"):
+        lanes().add(request("x", "gold"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_load_keeps_every_promise(seed):
+    """Fast is never preempted, reserved seats and blocks hold, every request finishes, and
+    steps carrying fast meet the target whenever fast work alone fits in it."""
+    rng = random.Random(seed)
+    sched = lanes(num_blocks=64, block_size=4, max_num_seqs=12, enable_prefix_caching=False,
+                  tiers={"fast": {"reserved_kv_share": 0.25, "reserved_seq_share": 0.25, "max_queue": 4},
+                         "batch": {"window": 30.0}})
+    reserved_kv, reserved_seq = 16, 3
+    added = []
+    for i in range(400):
+        if rng.random() < 0.3:
+            tier = rng.choice(["fast", "standard", "standard", "batch"])
+            try:
+                sched.add(request(f"r{i}", tier, prompt_len=rng.randint(1, 40), max_tokens=rng.randint(1, 30),
+                                  arrival=sched.clock.now))
+                added.append(f"r{i}")
+            except QueueFullError:
+                assert tier == "fast"
+        plan = run_step(sched)
+        assert not [rid for rid in plan.preempted if rid.startswith("r") and sched.get(rid).tier == "fast"]
+        non_fast = [r for r in sched.running.values() if r.tier != "fast"]
+        assert len(non_fast) <= 12 - reserved_seq
+        assert sum(len(sched.pool.table(r.request_id)) for r in non_fast) <= 64 - reserved_kv
+        if any(s.tier == "fast" for s in plan.seqs):
+            assert plan.predicted_seconds <= sched.tiers["fast"].tpot_target + 1e-12 or \
+                fast_only_seconds(sched, plan) > sched.tiers["fast"].tpot_target * 0.5
+    for _ in range(5000):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+    assert not sched.has_unfinished()
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_default_tiers_are_consistent():
+    tiers = default_tiers()
+    assert tiers["fast"].priority < tiers["standard"].priority < tiers["batch"].priority
+    assert not tiers["fast"].preemptible and tiers["standard"].preemptible
+    assert tiers["fast"].price_output_per_m > tiers["standard"].price_output_per_m > tiers["batch"].price_output_per_m
+    SchedulerConfig(int8_max_tokens=32).validate()

@@ -1,0 +1,185 @@
+"""StepTimeModel: how long a step will take, predicted from what is in it.
+
+A step's time is close to linear in four features, with one coefficient set per kernel
+(the int8 GEMV-style kernel and a dense GEMM scale very differently):
+
+  fixed      1 per step: reading every weight once, per-op overhead
+  tokens     rows through the linear layers (decode tokens + prefill chunk tokens)
+  sampled    rows through the LM head (one per sequence that samples; the head is 60% of the weights)
+  attention  query-key pairs, in thousands (a decode at context c reads c keys)
+
+The starting coefficients come from timing the real runner (model/step_profile.py); after
+that every measured step refines them. Fitting is weighted least squares on relative error,
+since the fast lane's decisions are about small steps, pulled towards the profile's fit
+(ridge) so that a window of similar steps cannot send the unseen features astray.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+FEATURES = ("fixed", "tokens", "sampled", "attention")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the model sees of a step."""
+
+    kernel: str
+    tokens: int = 0
+    sampled: int = 0
+    attention: float = 0.0  # query-key pairs / 1000
+
+    @classmethod
+    def of(cls, plan) -> StepShape:
+        shape = cls(plan.kernel)
+        for s in plan.seqs:
+            shape = shape.plus(s.start_pos, s.num_new, s.sample)
+        return shape
+
+    def plus(self, start_pos: int, num_new: int, sample: bool) -> StepShape:
+        """This step with one more sequence: num_new tokens at positions start_pos.."""
+        pairs = num_new * start_pos + num_new * (num_new + 1) // 2
+        return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(sample), self.attention + pairs / 1000)
+
+    def with_kernel(self, kernel: str) -> StepShape:
+        return StepShape(kernel, self.tokens, self.sampled, self.attention)
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.tokens), float(self.sampled), self.attention)
+
+
+@dataclass
+class PredictionError:
+    """Running error of predictions made before the step's time was known."""
+
+    count: int = 0
+    sum_abs: float = 0.0
+    sum_rel: float = 0.0
+
+    def add(self, predicted: float, measured: float) -> None:
+        self.count += 1
+        self.sum_abs += abs(predicted - measured)
+        self.sum_rel += abs(predicted - measured) / measured if measured > 0 else 0.0
+
+    @property
+    def mean_abs_seconds(self) -> float:
+        return self.sum_abs / self.count if self.count else 0.0
+
+    @property
+    def mean_rel(self) -> float:
+        return self.sum_rel / self.count if self.count else 0.0
+
+
+class StepTimeModel:
+    def __init__(self, coefficients: dict[str, list[float]], window: int = 256, refit_every: int = 16,
+                 prior_weight: float = 4.0):
+        """coefficients: kernel -> one value per FEATURES entry (seconds per unit)."""
+        for kernel, c in coefficients.items():
+            if len(c) != len(FEATURES):
+                raise ValueError(f"{kernel}: need {len(FEATURES)} coefficients, got {len(c)}")
+        self.prior = {k: [float(x) for x in c] for k, c in coefficients.items()}
+        self.coefficients = {k: list(c) for k, c in self.prior.items()}
+        self.prior_weight = prior_weight
+        self.refit_every = refit_every
+        self._window: dict[str, deque[tuple[tuple[float, ...], float]]] = {
+            k: deque(maxlen=window) for k in coefficients}
+        self._since_refit = 0
+        self.error = PredictionError()
+        self.error_by_kernel: dict[str, PredictionError] = {k: PredictionError() for k in coefficients}
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], **options) -> StepTimeModel:
+        """A model from measured (shape, seconds) pairs, e.g. a profile of the runner."""
+        by_kernel: dict[str, list[tuple[tuple[float, ...], float]]] = {}
+        for shape, seconds in samples:
+            by_kernel.setdefault(shape.kernel, []).append((shape.features(), seconds))
+        if not by_kernel:
+            raise ValueError("no samples to fit a step model to")
+        return cls({k: _solve(rows, prior=None, prior_weight=0.0) for k, rows in by_kernel.items()}, **options)
+
+    def predict(self, shape: StepShape) -> float:
+        c = self.coefficients.get(shape.kernel)
+        if c is None:
+            raise ValueError(f"the step model knows kernels {sorted(self.coefficients)}, not {shape.kernel!r}")
+        return sum(w * x for w, x in zip(c, shape.features()))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A step of this shape took `seconds`: score the prediction, then learn from it."""
+        if shape.kernel not in self.coefficients or seconds <= 0:
+            return
+        predicted = self.predict(shape)
+        self.error.add(predicted, seconds)
+        self.error_by_kernel[shape.kernel].add(predicted, seconds)
+        self._window[shape.kernel].append((shape.features(), seconds))
+        self._since_refit += 1
+        if self._since_refit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        self._since_refit = 0
+        for kernel, rows in self._window.items():
+            if rows:
+                self.coefficients[kernel] = _solve(list(rows), self.prior[kernel], self.prior_weight)
+
+    def to_dict(self) -> dict:
+        return {"features": list(FEATURES), "coefficients": self.coefficients,
+                "error": {"steps": self.error.count, "mean_abs_seconds": self.error.mean_abs_seconds,
+                          "mean_rel": self.error.mean_rel}}
+
+
+def _solve(rows: list[tuple[tuple[float, ...], float]], prior: list[float] | None, prior_weight: float) -> list[float]:
+    """Non-negative weighted least squares with relative weights (1/y^2), plus a ridge pull
+    towards `prior` scaled to each feature's typical size. Features whose coefficient would go
+    negative are dropped and the rest refit: no step gets cheaper by adding work to it."""
+    n = len(FEATURES)
+    active = [True] * n
+    while True:
+        solution = _normal_equations(rows, prior, prior_weight, active)
+        negative = [j for j in range(n) if active[j] and solution[j] < 0]
+        if not negative:
+            return solution
+        for j in negative:
+            active[j] = False
+
+
+def _normal_equations(rows, prior, prior_weight, active) -> list[float]:
+    n = len(FEATURES)
+    a = [[0.0] * n for _ in range(n)]
+    b = [0.0] * n
+    scale = [0.0] * n  # mean |x_j * w|, so the ridge term has the data's units
+    for x, y in rows:
+        w = 1.0 / (y * y) if y > 0 else 1.0
+        for i in range(n):
+            scale[i] += abs(x[i]) / max(y, 1e-9) / len(rows)
+            b[i] += w * x[i] * y
+            for j in range(n):
+                a[i][j] += w * x[i] * x[j]
+    for i in range(n):
+        lam = prior_weight * max(scale[i], 1e-6) ** 2 if prior is not None else 1e-9 * (a[i][i] or 1.0)
+        a[i][i] += lam
+        b[i] += lam * (prior[i] if prior is not None else 0.0)
+        if not active[i]:  # pin to zero
+            a[i] = [0.0] * n
+            a[i][i] = 1.0
+            b[i] = 0.0
+            for r in range(n):
+                if r != i:
+                    a[r][i] = 0.0
+    return _gauss(a, b)
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            continue  # a feature never seen: its coefficient stays 0
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
