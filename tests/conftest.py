@@ -124,9 +124,10 @@ def make_engine(default_weights):
     from tollway.config import EngineConfig, SchedulerConfig
     from tollway.engine import Engine
 
-    def build(**scheduler_options):
-        return Engine(EngineConfig(scheduler=SchedulerConfig(**scheduler_options)), progress=False,
-                      loaded=default_weights)
+    def build(profile_steps=False, **scheduler_options):
+        # No step profile unless asked: each distinct config would time its own (seconds each).
+        return Engine(EngineConfig(scheduler=SchedulerConfig(**scheduler_options), profile_steps=profile_steps),
+                      progress=False, loaded=default_weights)
 
     return build
 

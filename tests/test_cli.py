@@ -33,6 +33,19 @@ def test_bad_input_gets_one_line(tmp_path, args, message):
     _assert_one_error_line(result.stderr, message)
 
 
+@pytest.mark.parametrize("toml, message", [
+    ("policy = 'lanes'", "unknown key(s) policy in top level"),
+    ("[scheduler]\npolicy = 'sjf'", "policy must be one of"),
+    ("[tiers.fast]\ntpot_target = -1", "tiers.fast.tpot_target must be > 0"),
+    ("[tiers", "not valid TOML"),
+])
+def test_bad_config_file_is_one_line(tmp_path, toml, message):
+    (tmp_path / "tollway.toml").write_text(toml)
+    result = _tollway("generate", "hi", "--config", str(tmp_path / "tollway.toml"))
+    assert result.returncode == 2
+    _assert_one_error_line(result.stderr, message)
+
+
 def test_unsupported_architecture_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     result = _tollway("generate", "hi", "--model", str(tmp_path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tollway.config import KERNELS, EngineConfig, SchedulerConfig
+from tollway.config import KERNELS, POLICIES, TIERS, EngineConfig, load_config
 from tollway.request import SamplingParams
 
 
@@ -13,8 +13,6 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=EngineConfig.model,
-                     help="a .gguf file, a Hugging Face folder, or the embedded default 'gemma3-270m'")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
@@ -22,11 +20,36 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string; repeat for more")
-    gen.add_argument("--kernel", default="auto", choices=("auto",) + KERNELS)
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--max-model-len", type=int, default=SchedulerConfig.max_model_len)
+    gen.add_argument("--tier", default="standard", choices=TIERS)
+    add_engine_arguments(gen)
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine settings: a TOML file, then flags on top of it."""
+    parser.add_argument("--config", help="a TOML file of engine, [scheduler] and [tiers.<name>] settings")
+    parser.add_argument("--model", help="a .gguf file, a Hugging Face folder, or the embedded default 'gemma3-270m'")
+    parser.add_argument("--kernel", choices=("auto",) + KERNELS)
+    parser.add_argument("--device")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--policy", choices=POLICIES)
+    parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
+    parser.add_argument("--standard-tpot-slo", type=float, metavar="SECONDS", help="the standard lane's p99 TPOT SLO")
+
+
+def engine_config(args) -> EngineConfig:
+    config = load_config(args.config) if args.config else EngineConfig()
+    sched = config.scheduler
+    for value, target, name in ((args.model, config, "model"), (args.device, config, "device"),
+                                (args.threads, config, "num_threads"), (args.kernel, sched, "kernel"),
+                                (args.max_model_len, sched, "max_model_len"), (args.policy, sched, "policy"),
+                                (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
+                                (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):
+        if value is not None:
+            setattr(target, name, value)
+    sched.validate()
+    return config
 
 
 def _generate(args) -> int:
@@ -35,14 +58,14 @@ def _generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
     params.validate()
-    config = EngineConfig(model=args.model, device=args.device, num_threads=args.threads,
-                          scheduler=SchedulerConfig(kernel=args.kernel, max_model_len=args.max_model_len))
+    config = engine_config(args)
+    config.profile_steps = False  # one request: nothing to shape
     engine = Engine(config)
     prompt = args.prompt
     if args.chat:  # the template writes BOS itself
         prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                                          add_special_tokens=False)
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.add_request(prompt, params, tier=args.tier)
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == request_id:

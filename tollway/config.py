@@ -103,7 +103,8 @@ class SchedulerConfig:
         if self.policy != "lanes":
             return 0
         share = getattr(self.tiers[tier], f"reserved_{what}_share")
-        return math.floor(share * (self.num_blocks if what == "kv" else self.max_num_seqs))
+        # The epsilon keeps 0.29 * 100 (28.999...) at 29.
+        return math.floor(share * (self.num_blocks if what == "kv" else self.max_num_seqs) + 1e-9)
 
     def kernels_to_load(self) -> set[str]:
         if self.kernel != "auto":
@@ -123,6 +124,9 @@ class EngineConfig:
     device: str = "auto"  # "cpu", "cuda", or "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
     cache_dir: str | None = None  # converted-weights cache; None = the user's cache directory
+    # Time synthetic steps at the first start (then remembered) to seed the step-time model
+    # that shapes steps under the lanes policy. Off: no time-based shaping.
+    profile_steps: bool = True
 
 
 def load_config(path: str | Path) -> EngineConfig:
@@ -134,22 +138,37 @@ def load_config(path: str | Path) -> EngineConfig:
         raise ValueError(f"cannot read config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path} is not valid TOML: {e}") from None
-    sched = data.pop("scheduler", {})
+    sched = _table(data.pop("scheduler", {}), "[scheduler]", path)
     tiers = default_tiers()
-    for name, fields in data.pop("tiers", {}).items():
+    for name, fields in _table(data.pop("tiers", {}), "[tiers]", path).items():
         if name not in tiers:
             raise ValueError(f"config {path}: unknown tier {name!r} (tiers are {', '.join(TIERS)})")
-        tiers[name] = _replace(tiers[name], fields, f"tiers.{name}", path)
+        tiers[name] = _replace(tiers[name], _table(fields, f"[tiers.{name}]", path), f"tiers.{name}", path)
     config = _replace(EngineConfig(), data, "", path)
     config.scheduler = _replace(SchedulerConfig(tiers=tiers), sched, "scheduler", path)
     config.scheduler.validate()
     return config
 
 
+def _table(value, where: str, path) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"config {path}: {where} must be a table")
+    return value
+
+
+# TOML value types each annotation accepts (an int is fine where a float is wanted, a bool is not).
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
 def _replace(obj, fields: dict, section: str, path):
-    known = {f.name for f in dataclasses.fields(obj)} - {"scheduler", "tiers", "name"}
-    unknown = set(fields) - known
+    where = f"[{section}]" if section else "top level"
+    known = {f.name: f.type for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
+    unknown = set(fields) - (set(known) - {"scheduler", "tiers", "name"})
     if unknown:
-        where = f"[{section}]" if section else "top level"
         raise ValueError(f"config {path}: unknown key(s) {', '.join(sorted(unknown))} in {where}")
+    for key, value in fields.items():
+        kinds = [k.strip() for k in known[key].split("|") if k.strip() != "None"]
+        allowed = tuple(t for k in kinds for t in _TYPES.get(k, ()))
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            raise ValueError(f"config {path}: {key} in {where} must be {' or '.join(kinds)}, got {value!r}")
     return dataclasses.replace(obj, **fields)

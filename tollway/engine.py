@@ -13,11 +13,14 @@ from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
 from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.kernel_profile import cached_int8_crossover
+from tollway.model.measured import remembered
+from tollway.model.step_profile import profile_key, profile_step_times, samples_from_json, samples_to_json
 from tollway.model.weights import LoadedModel, cache_root, derived_cache_file, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import StepPlan
 from tollway.scheduler.scheduler import Scheduler
+from tollway.scheduler.step_model import StepTimeModel
 from tollway.text_stream import TextStream
 
 
@@ -39,7 +42,7 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        with tqdm(total=3, desc="loading model", unit="stage", disable=not progress, leave=False) as bar:
+        with tqdm(total=4, desc="loading model", unit="stage", disable=not progress, leave=False) as bar:
             loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
             bar.update()
             self.model_config = loaded.config
@@ -60,8 +63,16 @@ class Engine:
                         key=str(loaded.source))
                 self.tokenizer = tokenizer.result() if tokenizer else None
             bar.update()
+            self.step_model = None
+            if config.profile_steps:  # after the tokenizer thread: it would skew the timings
+                bar.set_description("profiling steps")
+                samples = remembered(
+                    cache_root(config.cache_dir) / "step-profile.json", f"{loaded.source}|{profile_key(sched)}",
+                    lambda: samples_to_json(profile_step_times(self.runner, sched, progress=progress)))
+                self.step_model = StepTimeModel.fit(samples_from_json(samples))
+            bar.update()
         self.config = config
-        self.scheduler = Scheduler(sched)
+        self.scheduler = Scheduler(sched, self.step_model)
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started

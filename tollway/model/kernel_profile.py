@@ -6,8 +6,6 @@ step size at which the int8 weight-only kernel stops beating the dense one
 """
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +14,7 @@ import torch
 
 from tollway.model.decoder import DecoderModel
 from tollway.model.layers import Linear
+from tollway.model.measured import remembered
 
 
 def model_linears(model: DecoderModel) -> list[Linear]:
@@ -59,24 +58,4 @@ def int8_crossover(model: DecoderModel, dense_kernel: str, sizes=(1, 2, 4, 8, 16
 
 def cached_int8_crossover(model: DecoderModel, dense_kernel: str, cache_file: Path, key: str) -> int:
     """int8_crossover, measured once per (model, machine, threads) and remembered in `cache_file`."""
-    try:
-        known = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        known = {}
-    entry = f"{key}|{dense_kernel}|{_cpu_name()}|{torch.get_num_threads()}|{torch.__version__}"
-    if entry not in known:
-        known[entry], _ = int8_crossover(model, dense_kernel)
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(cache_file)
-    return known[entry]
-
-
-def _cpu_name() -> str:
-    # Not platform.processor(): it runs `uname -p` in a subprocess.
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.machine()
+    return remembered(cache_file, f"{key}|{dense_kernel}", lambda: int8_crossover(model, dense_kernel)[0])

@@ -15,6 +15,7 @@ since the fast lane's decisions are about small steps, pulled towards the profil
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -84,7 +85,9 @@ class StepTimeModel:
         self.refit_every = refit_every
         self._window: dict[str, deque[tuple[tuple[float, ...], float]]] = {
             k: deque(maxlen=window) for k in coefficients}
+        self._base: dict[str, list[tuple[tuple[float, ...], float]]] = {k: [] for k in coefficients}
         self._since_refit = 0
+        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
         self.error = PredictionError()
         self.error_by_kernel: dict[str, PredictionError] = {k: PredictionError() for k in coefficients}
 
@@ -93,10 +96,17 @@ class StepTimeModel:
         """A model from measured (shape, seconds) pairs, e.g. a profile of the runner."""
         by_kernel: dict[str, list[tuple[tuple[float, ...], float]]] = {}
         for shape, seconds in samples:
-            by_kernel.setdefault(shape.kernel, []).append((shape.features(), seconds))
+            if _valid(seconds):
+                by_kernel.setdefault(shape.kernel, []).append((shape.features(), seconds))
         if not by_kernel:
             raise ValueError("no samples to fit a step model to")
-        return cls({k: _solve(rows, prior=None, prior_weight=0.0) for k, rows in by_kernel.items()}, **options)
+        fitted = {k: _robust_solve(rows) for k, rows in by_kernel.items()}
+        model = cls(fitted, **options)
+        # Refits keep the profile in the data: it spans every feature, where recent steps may
+        # all look alike and leave some directions unconstrained.
+        model._base = {k: [row for row in rows if _relative_residual(fitted[k], row) <= 1.0]
+                       for k, rows in by_kernel.items()}
+        return model
 
     def predict(self, shape: StepShape) -> float:
         c = self.coefficients.get(shape.kernel)
@@ -106,26 +116,56 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step of this shape took `seconds`: score the prediction, then learn from it."""
-        if shape.kernel not in self.coefficients or seconds <= 0:
+        if shape.kernel not in self.coefficients or not _valid(seconds):
             return
         predicted = self.predict(shape)
         self.error.add(predicted, seconds)
+        if predicted > 0:
+            self._ratios.append(seconds / predicted)
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
         self._window[shape.kernel].append((shape.features(), seconds))
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
 
+    def headroom(self, quantile: float, min_steps: int = 20) -> float:
+        """How much longer than predicted a step runs at this quantile of recent steps (>= 1).
+        Planning to target / headroom meets the target in about that fraction of steps."""
+        if len(self._ratios) < min_steps:
+            return 1.0
+        ordered = sorted(self._ratios)
+        return max(1.0, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
+
     def refit(self) -> None:
         self._since_refit = 0
         for kernel, rows in self._window.items():
             if rows:
-                self.coefficients[kernel] = _solve(list(rows), self.prior[kernel], self.prior_weight)
+                data = self._base[kernel] + list(rows)
+                self.coefficients[kernel] = _solve(data, self.prior[kernel], self.prior_weight)
 
     def to_dict(self) -> dict:
-        return {"features": list(FEATURES), "coefficients": self.coefficients,
+        return {"features": list(FEATURES), "coefficients": {k: list(c) for k, c in self.coefficients.items()},
                 "error": {"steps": self.error.count, "mean_abs_seconds": self.error.mean_abs_seconds,
                           "mean_rel": self.error.mean_rel}}
+
+
+def _robust_solve(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
+    """Fit, then refit without samples far off the fit: a profile step that ran while something
+    else had the CPU can take several times its usual time."""
+    c = _solve(rows, prior=None, prior_weight=0.0)
+    residuals = [_relative_residual(c, row) for row in rows]
+    cut = max(0.25, 4 * sorted(residuals)[len(residuals) // 2])
+    kept = [row for row, r in zip(rows, residuals) if r <= cut]
+    return _solve(kept, prior=None, prior_weight=0.0) if len(kept) < len(rows) else c
+
+
+def _relative_residual(c: list[float], row: tuple[tuple[float, ...], float]) -> float:
+    features, seconds = row
+    return abs(sum(w * x for w, x in zip(c, features)) / seconds - 1)
+
+
+def _valid(seconds: float) -> bool:
+    return math.isfinite(seconds) and seconds > 0
 
 
 def _solve(rows: list[tuple[tuple[float, ...], float]], prior: list[float] | None, prior_weight: float) -> list[float]:
@@ -147,7 +187,7 @@ def _normal_equations(rows, prior, prior_weight, active) -> list[float]:
     n = len(FEATURES)
     a = [[0.0] * n for _ in range(n)]
     b = [0.0] * n
-    scale = [0.0] * n  # mean |x_j * w|, so the ridge term has the data's units
+    scale = [0.0] * n  # mean |x_j / y|: a coefficient's pull on relative error, for the ridge's units
     for x, y in rows:
         w = 1.0 / (y * y) if y > 0 else 1.0
         for i in range(n):

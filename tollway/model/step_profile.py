@@ -1,0 +1,75 @@
+"""Time the real runner on synthetic steps: the starting point of the scheduler's StepTimeModel.
+
+The steps span what the scheduler will plan: decode batches from 1 to max_num_seqs at a short
+and a long context, and prefill chunks up to the token budget, with and without earlier
+context. All decodes read one prompt's KV through a shared block table, so the profile needs
+no real requests and leaves nothing behind that a request could read.
+"""
+from __future__ import annotations
+
+import statistics
+
+from tqdm import tqdm
+
+from tollway.config import SchedulerConfig
+from tollway.request import SamplingParams
+from tollway.scheduler.plan import ScheduledSeq, StepPlan
+from tollway.scheduler.step_model import StepShape
+
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
+    bs = sched.block_size
+    context = min(512, sched.max_model_len - 2, sched.num_blocks * bs - 2)
+    table = tuple(range(-(-(context + 1) // bs)))
+    budget = sched.max_num_batched_tokens
+
+    def plan(seqs: list[ScheduledSeq]) -> StepPlan:
+        return StepPlan(0, seqs, sched.kernel_for(sum(s.num_new for s in seqs)))
+
+    def prefill(start: int, n: int) -> ScheduledSeq:
+        return ScheduledSeq("profile", "standard", (1,) * n, start, table, True, _GREEDY)
+
+    plans = []
+    # Writing the context first: the decodes below then read KV that was really computed.
+    for start in range(0, context, budget):
+        plans.append(plan([prefill(start, min(budget, context - start))]))
+    for n in sorted({16, 128, budget}):
+        for start in (0, context // 2):
+            if n <= budget and start + n <= context:
+                plans.append(plan([prefill(start, n)]))
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 48, 64, 128, 256) if b <= min(sched.max_num_seqs, budget)}
+                   | {min(sched.max_num_seqs, budget)})
+    for c in (context // 4, context):
+        for b in sizes:
+            plans.append(plan([ScheduledSeq(f"p{i}", "standard", (1,), c, table, True, _GREEDY) for i in range(b)]))
+    return plans
+
+
+def profile_key(sched: SchedulerConfig) -> str:
+    """What the profile plans depend on."""
+    return (f"steps|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
+            f"{sched.max_num_seqs}|{sched.max_num_batched_tokens}|{_context(sched)}")
+
+
+def _context(sched: SchedulerConfig) -> int:
+    return min(512, sched.max_model_len - 2, sched.num_blocks * sched.block_size - 2)
+
+
+def profile_step_times(runner, sched: SchedulerConfig, repeats: int = 1,
+                       progress: bool = True) -> list[tuple[StepShape, float]]:
+    """(shape, median seconds) for each profile plan, timed on `runner`."""
+    samples = []
+    for plan in tqdm(profile_plans(sched), desc="profiling steps", unit="step", disable=not progress, leave=False):
+        seconds = statistics.median(runner.execute(plan).seconds for _ in range(repeats))
+        samples.append((StepShape.of(plan), seconds))
+    return samples
+
+
+def samples_to_json(samples: list[tuple[StepShape, float]]) -> list[list]:
+    return [[s.kernel, s.tokens, s.sampled, s.attention, seconds] for s, seconds in samples]
+
+
+def samples_from_json(rows: list[list]) -> list[tuple[StepShape, float]]:
+    return [(StepShape(kernel, tokens, sampled, attention), seconds) for kernel, tokens, sampled, attention, seconds in rows]
