@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common import machine_info, random_prompts, write_readme  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -35,7 +35,6 @@ from tollway.model.weights import load_weights  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
 
 README = ROOT / "benchmarks" / "README.md"
-BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
 
 FULL = dict(
     batches=(1, 4, 16, 64), prompt_len=128, new_tokens=128, prefill_len=2048, prefill_runs=2,
@@ -60,28 +59,6 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def machine_info() -> dict:
-    cpu, flags = platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                cpu = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "avx512_bf16": "avx512_bf16" in flags, "python": platform.python_version(),
-        "load_average_at_start": os.getloadavg()[0],
-    }
 
 
 @torch.inference_mode()
@@ -128,13 +105,6 @@ def floors_at(b: int, models: dict) -> dict:
                        "gflop_s": matmul_flops(model, b) / seconds / 1e9}
     best = min(out, key=lambda k: out[k]["seconds"])
     return {"kernels": out, "best": best, "best_seconds": out[best]["seconds"]}
-
-
-def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
-    # Ordinary vocabulary ids (past Gemma's control tokens); distinct per request so the
-    # prefix cache never shortcuts a prefill.
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, min(vocab, 100_000), (count, length), generator=g).tolist()
 
 
 def profile_step(engine: Engine) -> dict:
@@ -391,13 +361,6 @@ def markdown(r: dict, raw: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
-    text = README.read_text()
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    README.write_text(f"{head}{BEGIN}\n{section}\n{END}{tail}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small batches and few tokens, for development")
@@ -409,7 +372,7 @@ def main() -> None:
     (README.parent / out).write_text(json.dumps(result, indent=1) + "\n")
     section = markdown(result, str(out))
     if not args.quick:
-        write_readme(section)
+        write_readme(README, "engine", section)
     print(section)
     print(f"\nwrote benchmarks/{out}" + ("" if args.quick else " and benchmarks/README.md"))
 

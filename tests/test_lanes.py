@@ -42,7 +42,7 @@ def run_step(sched: Scheduler):
     plan = sched.plan()
     seconds = plan.predicted_seconds or 0.0
     sched.clock.now += seconds
-    tokens = {s.request_id: SampledToken(7) for s in plan.seqs if s.sample}
+    tokens = {s.request_id: [SampledToken(7)] for s in plan.seqs if s.sample}
     sched.commit(plan, StepResult(plan.step_id, tokens, seconds))
     return plan
 

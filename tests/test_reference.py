@@ -92,7 +92,7 @@ def test_tiny_models_match_transformers_logits(tiny_hf_models, name):
     chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 24)]
     for step, (start, end) in enumerate(chunks):
         seq = ScheduledSeq("r", "standard", tuple(ids[start:end]), start, table, True, params)
-        tok = runner.execute(StepPlan(step, [seq], "fp32")).tokens["r"]
+        [tok] = runner.execute(StepPlan(step, [seq], "fp32")).tokens["r"]
         expected = torch.topk(ref[end - 1], 5)
         assert tok.token_id == int(expected.indices[0])
         got = torch.tensor([tok.top_logprobs[int(i)] for i in expected.indices])

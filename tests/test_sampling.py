@@ -17,7 +17,7 @@ def _seq(params: SamplingParams, position: int = 10, rid: str = "r") -> Schedule
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.tensor([sample(logits.unsqueeze(0), [_seq(params)], gen)[0].token_id for _ in range(n)])
+    return torch.tensor([sample(logits.unsqueeze(0), [_seq(params)], gen)[0][0].token_id for _ in range(n)])
 
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -26,7 +26,7 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 def test_greedy_picks_argmax_per_row():
     logits = torch.randn(5, 1000)
     seqs = [_seq(SamplingParams(temperature=0), rid=str(i)) for i in range(5)]
-    got = [t.token_id for t in sample(logits, seqs, torch.Generator())]
+    got = [t.token_id for [t] in sample(logits, seqs, torch.Generator())]
     assert got == logits.argmax(dim=-1).tolist()
 
 
@@ -61,14 +61,14 @@ def test_seed_gives_same_tokens_whatever_the_generator():
     b = _draws(LOGITS, params, 20, seed=2)
     assert torch.equal(a, b)
     # ...and a different position draws independently.
-    other = [sample(LOGITS.unsqueeze(0), [_seq(params, position=p)], torch.Generator())[0].token_id
+    other = [sample(LOGITS.unsqueeze(0), [_seq(params, position=p)], torch.Generator())[0][0].token_id
              for p in range(40)]
     assert len(set(other)) > 1
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
     params = SamplingParams(temperature=0, logprobs=3)
-    tok = sample(LOGITS.unsqueeze(0), [_seq(params)], torch.Generator())[0]
+    [[tok]] = sample(LOGITS.unsqueeze(0), [_seq(params)], torch.Generator())
     ref = torch.log_softmax(LOGITS, dim=-1)
     assert tok.token_id == 0 and math.isclose(tok.logprob, float(ref[0]), rel_tol=1e-6)
     assert list(tok.top_logprobs) == [0, 1, 2]

@@ -38,7 +38,7 @@ def step(sched: Scheduler, tokens=None):
     for s in plan.seqs:
         if s.sample:
             index = len(sched.get(s.request_id).output_token_ids)
-            sampled[s.request_id] = SampledToken((tokens or {}).get(s.request_id, token_for(s.request_id, index)))
+            sampled[s.request_id] = [SampledToken((tokens or {}).get(s.request_id, token_for(s.request_id, index)))]
     changed = sched.commit(plan, StepResult(plan.step_id, sampled, 0.01))
     return plan, changed
 
@@ -320,7 +320,7 @@ def test_newest_preempts_itself():
     step(sched)  # a holds 2 blocks (5 tokens), b 1 block (4 tokens); b now has 5 tokens
     plan = sched.plan()
     assert plan.preempted == ["b"] and [s.request_id for s in plan.seqs] == ["a"]
-    sched.commit(plan, StepResult(plan.step_id, {"a": SampledToken(1)}, 0.0))
+    sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(1)]}, 0.0))
     run_to_end(sched)
     assert a.finish_reason == b.finish_reason == "length"
     assert len(b.output_token_ids) == 3
@@ -383,7 +383,7 @@ def test_logprobs_recorded_when_present():
     r = req("a", [1], max_tokens=1, logprobs=1)
     sched.add(r)
     plan = sched.plan()
-    sched.commit(plan, StepResult(plan.step_id, {"a": SampledToken(7, -0.5, {7: -0.5})}, 0.0))
+    sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(7, -0.5, {7: -0.5})]}, 0.0))
     assert r.output_logprobs == [{"token_id": 7, "logprob": -0.5, "top_logprobs": {7: -0.5}}]
 
 
@@ -411,7 +411,7 @@ def test_abort_between_plan_and_commit_is_skipped():
     sched.abort("a")
     reused = req("a", [5, 6, 7])  # the id is free again; the stale step must not touch it
     sched.add(reused)
-    tokens = {s.request_id: SampledToken(5) for s in plan.seqs}
+    tokens = {s.request_id: [SampledToken(5)] for s in plan.seqs}
     changed = sched.commit(plan, StepResult(plan.step_id, tokens, 0.0))
     assert changed == [b] and a.output_token_ids == [] and a.finish_reason == "abort"
     assert reused.output_token_ids == [] and reused.num_computed_tokens == 0
@@ -434,13 +434,13 @@ def test_commit_checks_the_plan_is_current():
     plan = sched.plan()
     with pytest.raises(ValueError, match="result of step 9"):
         sched.commit(plan, StepResult(9, {}, 0.0))
-    sched.commit(plan, StepResult(plan.step_id, {"a": SampledToken(3)}, 0.0))
+    sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(3)]}, 0.0))
     with pytest.raises(ValueError, match="not the latest uncommitted"):
-        sched.commit(plan, StepResult(plan.step_id, {"a": SampledToken(3)}, 0.0))
+        sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(3)]}, 0.0))
     stale, current = plan, sched.plan()
     with pytest.raises(ValueError, match="not the latest uncommitted"):
         sched.commit(stale, StepResult(stale.step_id, {}, 0.0))
-    with pytest.raises(ValueError, match="no sampled token for a"):
+    with pytest.raises(ValueError, match="has 0 sampled tokens for a"):
         sched.commit(current, StepResult(current.step_id, {}, 0.0))
 
 
@@ -461,8 +461,9 @@ class FakeRunner:
         tokens = {}
         for s in plan.seqs:
             r = self.sched.get(s.request_id)
-            known = r.all_token_ids
+            known = r.all_token_ids + list(s.drafts)  # what the KV is computed from, drafts included
             assert s.num_new >= 1 and s.token_ids == tuple(known[s.start_pos:s.context_len])
+            assert not s.num_draft or (r.tier == "fast" and s.start_pos == r.num_tokens - 1 and s.sample)
             assert len(s.block_table) * bs >= s.context_len
             for pos in range(s.start_pos):
                 assert self.kv.get((s.block_table[pos // bs], pos % bs)) == tuple(known[:pos + 1]), (
@@ -473,7 +474,9 @@ class FakeRunner:
                 assert self.sched.pool.ref_count(block) == 1, f"{s.request_id} writes into shared block {block}"
                 self.kv[(block, pos % bs)] = tuple(known[:pos + 1])
             if s.sample:
-                tokens[s.request_id] = SampledToken(EOS if self.rng.random() < 0.1 else self.rng.randrange(1, 4))
+                kept = list(s.drafts[:self.rng.randint(0, s.num_draft)])
+                tokens[s.request_id] = [SampledToken(t) for t in kept] + [
+                    SampledToken(EOS if self.rng.random() < 0.1 else self.rng.randrange(1, 4))]
         return StepResult(plan.step_id, tokens, 0.0)
 
 
@@ -563,7 +566,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif r.state is RequestState.RUNNING:
                 assert sched.running[r.request_id] is r
                 assert 0 < r.num_computed_tokens < r.num_tokens
-                assert len(sched.pool.table(r.request_id)) == sched.pool.blocks_for(r.num_computed_tokens)
+                # Rejected drafts leave blocks that the next steps fill.
+                held = len(sched.pool.table(r.request_id))
+                spare = sched.config.speculative_tokens if r.tier == "fast" else 0
+                assert sched.pool.blocks_for(r.num_computed_tokens) <= held
+                assert held <= sched.pool.blocks_for(r.num_computed_tokens + 1 + spare)
             else:
                 assert r in waiting and r.num_computed_tokens == 0
                 assert sched.pool.table(r.request_id) == ()

@@ -45,7 +45,7 @@ def max_rel_error(model: StepTimeModel, truth, shapes) -> float:
 # --- StepShape -------------------------------------------------------------------------------
 
 def test_decode_reads_its_context_plus_itself():
-    shape = StepShape("int8").plus(start_pos=99, num_new=1, sample=True)
+    shape = StepShape("int8").plus(start_pos=99, num_new=1, logit_rows=1)
     assert (shape.kernel, shape.tokens, shape.sampled) == ("int8", 1, 1)
     assert shape.attention == pytest.approx(100 / 1000)
 
@@ -53,7 +53,7 @@ def test_decode_reads_its_context_plus_itself():
 @pytest.mark.parametrize("start, n", [(0, 1), (0, 512), (10, 4), (300, 37), (4096, 256)])
 def test_prefill_chunk_counts_every_query_key_pair(start, n):
     """The closed form must match counting: the query at position p attends to p + 1 keys."""
-    shape = StepShape("fp32").plus(start, n, sample=False)
+    shape = StepShape("fp32").plus(start, n, logit_rows=0)
     brute = sum(p + 1 for p in range(start, start + n))
     assert brute == n * start + n * (n + 1) // 2
     assert (shape.tokens, shape.sampled) == (n, 0)
@@ -78,7 +78,7 @@ def test_of_plan_equals_adding_its_seqs_one_by_one():
     plan = StepPlan(3, seqs, "int8")
     expected = StepShape("int8")
     for s in seqs:
-        expected = expected.plus(s.start_pos, s.num_new, s.sample)
+        expected = expected.plus(s.start_pos, s.num_new, s.num_logit_rows)
     shape = StepShape.of(plan)
     assert shape.kernel == "int8"
     assert (shape.tokens, shape.sampled) == (expected.tokens, expected.sampled) == (plan.num_tokens, 3)

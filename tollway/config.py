@@ -77,6 +77,11 @@ class SchedulerConfig:
     # (reorder only); fcfs: one queue in arrival order, vLLM's default.
     policy: str = "lanes"
     tiers: dict[str, TierSpec] = field(default_factory=default_tiers)
+    # Speculative decoding for the fast lane (lanes policy): up to this many n-gram drafts per
+    # step, 0 to turn it off; a request whose drafts are accepted less often than
+    # speculation_min_rate stops getting them.
+    speculative_tokens: int = 4
+    speculation_min_rate: float = 0.25
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -94,6 +99,8 @@ class SchedulerConfig:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS + ('auto',))}, got {self.kernel!r}")
         if self.dense_kernel not in KERNELS:
             raise ValueError(f"dense_kernel must be one of {', '.join(KERNELS)}, got {self.dense_kernel!r}")
+        if self.speculative_tokens < 0 or not 0 <= self.speculation_min_rate <= 1:
+            raise ValueError("speculative_tokens must be >= 0 and speculation_min_rate in [0, 1]")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

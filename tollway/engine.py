@@ -18,7 +18,7 @@ from tollway.model.step_profile import profile_key, profile_step_times, samples_
 from tollway.model.weights import LoadedModel, cache_root, derived_cache_file, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
-from tollway.scheduler.plan import StepPlan
+from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_model import StepTimeModel
 from tollway.text_stream import TextStream
@@ -77,6 +77,7 @@ class Engine:
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
         self.last_plan: StepPlan | None = None
+        self.last_result: StepResult | None = None
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, tier: str = "standard",
@@ -102,6 +103,10 @@ class Engine:
         self.scheduler.abort(request_id)
         self.streams.pop(request_id, None)
 
+    def abort_all(self) -> None:
+        for request_id in self.scheduler.request_ids():
+            self.abort(request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -112,11 +117,14 @@ class Engine:
         if not plan.seqs:
             return []
         result = self.runner.execute(plan)
+        self.last_result = result
+        # A step adds one token per sequence, or several when drafts were accepted.
+        before = {s.request_id: len(self.scheduler.get(s.request_id).output_token_ids) for s in plan.seqs}
         outputs = []
         for req in self.scheduler.commit(plan, result):
-            new_ids = [result.tokens[req.request_id].token_id] if req.request_id in result.tokens else []
+            new_ids = req.output_token_ids[before[req.request_id]:]
             stream = self.streams.get(req.request_id)
-            if stream is not None and new_ids and stream.push(new_ids[0]):
+            if stream is not None and any(stream.push(t) for t in new_ids):  # stops at the first match
                 if req.finished:  # the same token also hit max_tokens: the stop string wins, as in OpenAI
                     req.finish_reason = "stop"
                 else:

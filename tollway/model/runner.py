@@ -51,22 +51,22 @@ class ModelRunner:
             raise ValueError(f"kernel {plan.kernel!r} was not loaded (loaded: {sorted(self.kernels)})")
         # Decodes first so they form one contiguous, batched group of rows.
         seqs = sorted(plan.seqs, key=lambda s: not s.is_decode)
-        input_ids, positions, meta, last_rows = self._prepare(seqs)
+        input_ids, positions, meta, logit_rows = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel)
         sampled = [s for s in seqs if s.sample]
         tokens = {}
         if sampled:
-            rows = torch.tensor([last_rows[s.request_id] for s in sampled], device=self.device)
+            rows = torch.tensor([r for s in sampled for r in logit_rows[s.request_id]], device=self.device)
             logits = self.model.logits(hidden.index_select(0, rows), plan.kernel)
-            for seq, tok in zip(sampled, sample(logits, sampled, self.generator)):
-                tokens[seq.request_id] = tok
+            for seq, kept in zip(sampled, sample(logits, sampled, self.generator)):
+                tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(plan.step_id, tokens, time.perf_counter() - start)
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         dev, bs = self.device, self.block_size
-        ids, pos, slots, last_rows, prefills = [], [], [], {}, []
+        ids, pos, slots, logit_rows, prefills = [], [], [], {}, []
         decodes = [s for s in seqs if s.is_decode]
         row = 0
         for s in seqs:
@@ -74,7 +74,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.extend(p)
             slots.extend(s.block_table[q // bs] * bs + q % bs for q in p)
-            last_rows[s.request_id] = row + s.num_new - 1
+            logit_rows[s.request_id] = range(row + s.num_new - s.num_logit_rows, row + s.num_new)
             if not s.is_decode:
                 q_pos = torch.arange(s.start_pos, s.context_len, device=dev).unsqueeze(0)
                 prefills.append(PrefillSpan(row, s.num_new, self._views([s.block_table], q_pos)))
@@ -87,7 +87,7 @@ class ModelRunner:
             prefills=prefills,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, last_rows)
+                meta, logit_rows)
 
     def _layer_types(self):
         return ("full", "sliding") if self.window else ("full",)

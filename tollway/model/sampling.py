@@ -1,4 +1,5 @@
-"""Turn one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Turn one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs, and
+the verification of speculative drafts."""
 from __future__ import annotations
 
 import torch
@@ -6,28 +7,54 @@ import torch
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
 
 
-def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator) -> list[SampledToken]:
-    """logits: [S, V] float32, row i belongs to seqs[i]."""
+def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator) -> list[list[SampledToken]]:
+    """logits: [rows, V] float32, seq i owning the next seq.num_logit_rows rows (1, or 1 + k
+    when verifying k drafts). Per seq: the drafts it keeps, then the token sampled after them."""
     # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows).
-    tokens = logits.argmax(dim=-1)
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            tokens[i] = _sample_row(logits[i], seq, generator)
-    ids = tokens.tolist()
-    out = [SampledToken(t) for t in ids]
-    wants = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if wants:
-        logp = torch.log_softmax(logits[wants], dim=-1)
-        for j, i in enumerate(wants):
-            out[i].logprob = float(logp[j, ids[i]])
-            n = seqs[i].params.logprobs
-            if n:
-                top = torch.topk(logp[j], n)
-                out[i].top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
+    argmax = logits.argmax(dim=-1).tolist()
+    out = []
+    row = 0
+    for seq in seqs:
+        n = seq.num_logit_rows
+        if seq.params.greedy:
+            ids = _verify_greedy(argmax[row:row + n], seq.drafts)
+        else:
+            ids = _verify_sampled(logits[row:row + n], seq, generator)
+        tokens = [SampledToken(t) for t in ids]
+        if seq.params.logprobs is not None:
+            _add_logprobs(tokens, logits[row:row + len(tokens)], seq.params.logprobs)
+        out.append(tokens)
+        row += n
     return out
 
 
-def _sample_row(row: torch.Tensor, seq: ScheduledSeq, generator: torch.Generator) -> torch.Tensor:
+def _verify_greedy(argmax: list[int], drafts: tuple[int, ...]) -> list[int]:
+    """Keep drafts while each is the model's own choice; then the model's choice. The output is
+    exactly what decoding one token at a time would give."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == argmax[kept]:
+        kept += 1
+    return list(drafts[:kept]) + [argmax[kept]]
+
+
+def _verify_sampled(rows: torch.Tensor, seq: ScheduledSeq, generator: torch.Generator) -> list[int]:
+    """Rejection sampling against a draft that is a point mass: keep draft d with probability
+    p(d); on rejection sample from p with d removed. Each kept token is thereby distributed
+    exactly as p, as if sampled one step at a time (Leviathan et al. 2023, with q = 1 at d)."""
+    kept: list[int] = []
+    first = seq.context_len - seq.num_draft  # the position the first sampled token takes
+    for i, draft in enumerate(seq.drafts):
+        probs = _probs(rows[i], seq)
+        gen = _generator(seq, first + i, generator)
+        if float(torch.rand((), generator=gen, device=rows.device)) < float(probs[draft]):
+            kept.append(draft)
+            continue
+        probs[draft] = 0.0
+        return kept + [_draw(probs, gen)]
+    return kept + [_draw(_probs(rows[len(kept)], seq), _generator(seq, first + len(kept), generator))]
+
+
+def _probs(row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
     p = seq.params
     scaled = row / p.temperature
     if p.top_k and p.top_k < scaled.numel():
@@ -39,10 +66,27 @@ def _sample_row(row: torch.Tensor, seq: ScheduledSeq, generator: torch.Generator
         # Drop a token once the mass before it already reaches top_p; the top token always stays.
         drop = (torch.cumsum(probs_sorted, dim=-1) - probs_sorted) >= p.top_p
         scaled = scaled.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.seed is not None:
-        # Seeded by (seed, position) rather than a running stream, so the draw does not
-        # depend on batching, on other requests, or on recompute after preemption.
-        generator = torch.Generator(device=row.device).manual_seed((p.seed * 1_000_003 + seq.context_len) % (2**63))
+    return torch.softmax(scaled, dim=-1)
+
+
+def _generator(seq: ScheduledSeq, position: int, generator: torch.Generator) -> torch.Generator:
+    if seq.params.seed is None:
+        return generator
+    # Seeded by (seed, position) rather than a running stream, so the draw does not depend on
+    # batching, on other requests, on recompute after preemption, or on speculation.
+    return torch.Generator(device=generator.device).manual_seed((seq.params.seed * 1_000_003 + position) % (2**63))
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A draw from probs (unnormalised is fine): the exponential race, argmax of p / Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax()
+    return int((probs / noise).argmax())
+
+
+def _add_logprobs(tokens: list[SampledToken], rows: torch.Tensor, top_n: int) -> None:
+    logp = torch.log_softmax(rows, dim=-1)
+    for j, token in enumerate(tokens):
+        token.logprob = float(logp[j, token.token_id])
+        if top_n:
+            top = torch.topk(logp[j], top_n)
+            token.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))

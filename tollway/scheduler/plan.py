@@ -9,7 +9,11 @@ from tollway.request import SamplingParams
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's share of a step: compute KV for `token_ids` at positions start_pos..,
-    then sample the next token if `sample` (the chunk reaches the end of the known tokens)."""
+    then sample the next token if `sample` (the chunk reaches the end of the known tokens).
+
+    When speculating, the last `num_draft` of token_ids are guesses, not yet the request's:
+    the runner samples at each of the last num_draft + 1 positions and keeps the guesses up to
+    the first one the model disagrees with, plus the token it sampled there."""
 
     request_id: str
     tier: str
@@ -18,6 +22,16 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sample: bool
     params: SamplingParams
+    num_draft: int = 0
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft:]
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Positions whose logits the step needs: the LM head's rows."""
+        return self.num_draft + 1 if self.sample else 0
 
     @property
     def num_new(self) -> int:
@@ -32,7 +46,10 @@ class ScheduledSeq:
         return self.num_new == 1 and self.start_pos > 0
 
     def __str__(self) -> str:
-        kind = "decode" if self.is_decode else f"prefill {self.start_pos}..{self.context_len}"
+        if self.num_draft:
+            kind = f"decode + {self.num_draft} drafts"
+        else:
+            kind = "decode" if self.is_decode else f"prefill {self.start_pos}..{self.context_len}"
         return f"{self.request_id}[{self.tier}] {kind}"
 
 
@@ -51,11 +68,11 @@ class StepPlan:
 
     @property
     def num_decode(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        return sum(1 for s in self.seqs if s.is_decode or s.num_draft)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs if not s.is_decode)
+        return sum(s.num_new for s in self.seqs if not (s.is_decode or s.num_draft))
 
     @property
     def context_tokens(self) -> int:
@@ -63,13 +80,16 @@ class StepPlan:
 
     def __str__(self) -> str:
         parts = [f"step {self.step_id}: {self.num_decode} decode"]
-        prefills = [s for s in self.seqs if not s.is_decode]
+        prefills = [s for s in self.seqs if not (s.is_decode or s.num_draft)]
         if prefills:
             parts.append(f"+ {len(prefills)} prefill ({self.num_prefill_tokens} tok)")
         parts.append(f"over {self.context_tokens} ctx, kernel {self.kernel}")
         if self.predicted_seconds is not None:
             budget = f" of {self.budget_seconds * 1e3:.0f} ms" if self.budget_seconds else ""
             parts.append(f"predicted {self.predicted_seconds * 1e3:.0f} ms{budget}")
+        drafts = sum(s.num_draft for s in self.seqs)
+        if drafts:
+            parts.append(f"({drafts} draft tokens)")
         if self.preempted:
             parts.append(f"; preempted {', '.join(self.preempted)}")
         return " ".join(parts)
@@ -85,5 +105,6 @@ class SampledToken:
 @dataclass
 class StepResult:
     step_id: int
-    tokens: dict[str, SampledToken]  # only for sequences with sample=True
+    # Only for sequences with sample=True: the accepted drafts (if any), then the sampled token.
+    tokens: dict[str, list[SampledToken]]
     seconds: float

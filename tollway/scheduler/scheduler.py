@@ -22,6 +22,7 @@ from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 RETRY_AFTER_SECONDS = 1
@@ -75,7 +76,7 @@ class _Step:
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
         self.tokens_left -= seq.num_new
-        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.sample)
+        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
 
 
 class Scheduler:
@@ -103,6 +104,9 @@ class Scheduler:
         self._held = {t: 0 for t in self.tiers}  # KV blocks held, per tier
         self._num_running = {t: 0 for t in self.tiers}
         self._block_hashes: dict[str, list[bytes]] = {}  # kept across preemptions: hash once
+        self._ngrams: dict[str, NgramIndex] = {}  # fast requests' draft proposers
+        self._acceptance: dict[str, Acceptance] = {}
+        self.speculation = Acceptance()  # all drafts so far, for metrics
         self._counter = 0
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
@@ -160,6 +164,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def request_ids(self) -> list[str]:
+        """Every unfinished request, waiting or running."""
+        return list(self._requests)
+
     @property
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
@@ -211,22 +219,30 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue  # finished or aborted while the step ran
             rid = request.request_id
-            request.num_computed_tokens = seq.context_len
-            if seq.start_pos // bs != seq.context_len // bs:
-                self.pool.cache_full_blocks(rid, request.all_token_ids, seq.context_len)
-            if not seq.sample:
+            tokens = result.tokens.get(rid, []) if seq.sample else []
+            if seq.sample:
+                _check_tokens(plan.step_id, seq, tokens)
+            if seq.num_draft:
+                self._acceptance[rid].add(seq.num_draft, len(tokens) - 1)
+                self.speculation.add(seq.num_draft, len(tokens) - 1)
+            # KV is valid up to the last token fed that the model agreed with.
+            request.num_computed_tokens = seq.context_len - seq.num_draft + max(0, len(tokens) - 1)
+            reason = None
+            for token in tokens:
+                request.output_token_ids.append(token.token_id)
+                if token.logprob is not None:
+                    request.output_logprobs.append(
+                        {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
+                    )
+                reason = self._stop_reason(request, token.token_id)
+                if reason is not None:
+                    break  # accepted drafts past a stop are dropped
+            if seq.start_pos // bs != request.num_computed_tokens // bs:
+                self.pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
+            if not tokens:
                 continue
-            token = result.tokens.get(rid)
-            if token is None:
-                raise ValueError(f"step {plan.step_id} result has no sampled token for {rid}")
-            request.output_token_ids.append(token.token_id)
-            if token.logprob is not None:
-                request.output_logprobs.append(
-                    {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
-                )
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._stop_reason(request, token.token_id)
             if reason is not None:
                 self._finish(request, reason)
             changed.append(request)
@@ -336,8 +352,24 @@ class Scheduler:
         start = request.num_computed_tokens
         must = self.policy == "lanes" and request.tier == "fast"
         n = step.chunk(start, request.num_tokens - start, True, must)
-        if n and self._make_room(request, start + n, preempted):
-            step.add(self._schedule(request, n))
+        drafts = self._drafts(request, step) if must and n == 1 and start == request.num_tokens - 1 else []
+        if n and self._make_room(request, start + n + len(drafts), preempted):
+            step.add(self._schedule(request, n, drafts))
+
+    def _drafts(self, request: Request, step: _Step) -> list[int]:
+        """n-gram drafts for a fast decode, as many as pay off (see speculation.py)."""
+        k_max = min(self.config.speculative_tokens, step.tokens_left - 1,
+                    request.params.max_tokens - len(request.output_token_ids) - 1,
+                    self.max_len(request.tier) - 1 - request.num_tokens)
+        if k_max <= 0:
+            return []
+        proposer = self._ngrams.setdefault(request.request_id, NgramIndex())
+        drafts = proposer.propose(request.all_token_ids, k_max)
+        start = request.num_computed_tokens
+        rate = self._acceptance.setdefault(request.request_id, Acceptance()).rate
+        k = best_draft_count(len(drafts), rate, lambda k: step.predict(step.shape.plus(start, 1 + k, 1 + k)) or 1.0,
+                             self.config.speculation_min_rate)
+        return drafts[:k]
 
     def _admit(self, requests: Iterable[Request], step: _Step, preempted: list[str], now: float, force: bool) -> None:
         """Admit from `requests` in order until one does not fit. `force`: preempt for it."""
@@ -372,18 +404,19 @@ class Scheduler:
             self._num_running[request.tier] += 1
             step.add(self._schedule(request, n))
 
-    def _schedule(self, request: Request, n: int) -> ScheduledSeq:
+    def _schedule(self, request: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
         self._last_step[request.request_id] = self._step_id
         return ScheduledSeq(
             request_id=request.request_id,
             tier=request.tier,
-            token_ids=_token_slice(request, start, start + n),
+            token_ids=_token_slice(request, start, start + n) + tuple(drafts),
             start_pos=start,
             block_table=self.pool.table(request.request_id),
             sample=start + n == request.num_tokens,
             params=request.params,
+            num_draft=len(drafts),
         )
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
@@ -444,7 +477,8 @@ class Scheduler:
         else:
             self.waiting[request.tier].remove(request)
         self._release(request)
-        for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step):
+        for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step,
+                      self._ngrams, self._acceptance):
             table.pop(rid, None)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
@@ -453,6 +487,14 @@ class Scheduler:
     def _tick(self) -> int:
         self._counter += 1
         return self._counter
+
+
+def _check_tokens(step_id: int, seq: ScheduledSeq, tokens: list) -> None:
+    if not 1 <= len(tokens) <= seq.num_draft + 1:
+        raise ValueError(f"step {step_id} result has {len(tokens)} sampled tokens for {seq.request_id}, "
+                         f"expected 1..{seq.num_draft + 1}")
+    if tuple(t.token_id for t in tokens[:-1]) != seq.drafts[:len(tokens) - 1]:
+        raise ValueError(f"step {step_id} result for {seq.request_id} keeps tokens that are not its drafts")
 
 
 def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:

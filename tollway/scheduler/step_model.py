@@ -5,7 +5,8 @@ A step's time is close to linear in four features, with one coefficient set per 
 
   fixed      1 per step: reading every weight once, per-op overhead
   tokens     rows through the linear layers (decode tokens + prefill chunk tokens)
-  sampled    rows through the LM head (one per sequence that samples; the head is 60% of the weights)
+  sampled    rows through the LM head (one per sampling sequence, 1 + k when verifying k drafts;
+             the head is 60% of the weights)
   attention  query-key pairs, in thousands (a decode at context c reads c keys)
 
 The starting coefficients come from timing the real runner (model/step_profile.py); after
@@ -35,13 +36,14 @@ class StepShape:
     def of(cls, plan) -> StepShape:
         shape = cls(plan.kernel)
         for s in plan.seqs:
-            shape = shape.plus(s.start_pos, s.num_new, s.sample)
+            shape = shape.plus(s.start_pos, s.num_new, s.num_logit_rows)
         return shape
 
-    def plus(self, start_pos: int, num_new: int, sample: bool) -> StepShape:
-        """This step with one more sequence: num_new tokens at positions start_pos.."""
+    def plus(self, start_pos: int, num_new: int, logit_rows: int) -> StepShape:
+        """This step with one more sequence: num_new tokens at positions start_pos.., of which
+        the last `logit_rows` go through the LM head (1 to sample, 1 + k to verify k drafts)."""
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
-        return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(sample), self.attention + pairs / 1000)
+        return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows), self.attention + pairs / 1000)
 
     def with_kernel(self, kernel: str) -> StepShape:
         return StepShape(kernel, self.tokens, self.sampled, self.attention)

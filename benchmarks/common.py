@@ -1,0 +1,48 @@
+"""Helpers the benchmark scripts share: what machine this is, prompts, the README sections."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    cpu, flags = platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": "avx512_bf16" in flags, "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg()[0],
+    }
+
+
+def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    # Ordinary vocabulary ids (past Gemma's control tokens); distinct per request so the
+    # prefix cache never shortcuts a prefill.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, min(vocab, 100_000), (count, length), generator=g).tolist()
+
+
+def write_readme(readme: Path, name: str, section: str) -> None:
+    """Replace the text between <!-- name:begin --> and <!-- name:end --> (appended if absent)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = readme.read_text()
+    if begin not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    readme.write_text(f"{head}{begin}\n{section}\n{end}{tail}")

@@ -1,0 +1,387 @@
+"""Lanes benchmark: how much faster the fast lane really is, and what that costs the others.
+
+    python benchmarks/lanes.py           # full run: about 15 min on a quiet 2-core machine
+    python benchmarks/lanes.py --quick   # a few minutes, for development; writes benchmarks/out/ only
+
+One engine on the embedded Gemma 3 270M runs a saturating mixed load: a fixed number of
+standard streams (closed loop: a finished request is replaced at once) plus fast requests
+arriving at random, about 10% of all requests. The same load, with the same arrival times, runs
+under each policy (fcfs, priority, lanes), then without fast traffic (the cost of lanes when
+unused), then under lanes at several fast TPOT targets (the price of speed). Every figure is a
+ratio between runs of this same script on this same machine.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
+
+from tqdm import tqdm  # noqa: E402
+
+from common import machine_info, write_readme  # noqa: E402
+from tollway.config import EngineConfig  # noqa: E402
+from tollway.engine import Engine  # noqa: E402
+from tollway.request import SamplingParams  # noqa: E402
+from tollway.scheduler.scheduler import Scheduler  # noqa: E402
+from tollway.scheduler.step_model import StepShape  # noqa: E402
+
+README = ROOT / "benchmarks" / "README.md"
+FULL = dict(duration=75.0, warmup=20.0, streams=64, fast_share=0.10, standard_prompt=64, standard_tokens=64,
+            fast_prompt=64, fast_tokens=32, sweep=(0.08, 0.12, 0.2, 0.4), idle_runs=3)
+QUICK = dict(duration=20.0, warmup=8.0, streams=16, fast_share=0.10, standard_prompt=32, standard_tokens=24,
+             fast_prompt=32, fast_tokens=16, sweep=(0.12, 0.3), idle_runs=1)
+
+
+def prompt(rng: random.Random, length: int) -> list[int]:
+    # Ordinary vocabulary ids, distinct per request: no prefix-cache shortcuts.
+    return [rng.randrange(1000, 100_000) for _ in range(length)]
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class LoadRun:
+    """One policy under the load, recording every token's arrival time and every step."""
+
+    def __init__(self, engine: Engine, settings: dict, fast_arrivals: list[float], seed: int):
+        self.engine, self.s, self.fast_arrivals, self.rng = engine, settings, fast_arrivals, random.Random(seed)
+        self.requests: dict[str, dict] = {}  # rid -> tier, arrival, [(time, tokens)]
+        self.steps: list[dict] = []
+        self.count = 0
+
+    def add(self, tier: str, prompt_len: int, max_tokens: int, now: float) -> None:
+        rid = f"{tier}-{self.count}"
+        self.count += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(prompt(self.rng, prompt_len), params, tier=tier, request_id=rid)
+        self.requests[rid] = {"tier": tier, "arrival": now, "tokens": [], "finished": False}
+
+    def run(self, desc: str) -> dict:
+        s, engine = self.s, self.engine
+        start = time.monotonic()
+        window = (start + s["warmup"], start + s["warmup"] + s["duration"])
+        arrivals = [start + t for t in self.fast_arrivals]
+        active_standard = 0
+        with tqdm(total=round(window[1] - start), desc=desc, unit="s", leave=False) as bar:
+            while (now := time.monotonic()) < window[1]:
+                while active_standard < s["streams"]:  # closed loop; lengths vary so streams desynchronise
+                    n = self.rng.randint(s["standard_tokens"] // 2, s["standard_tokens"] * 3 // 2)
+                    self.add("standard", s["standard_prompt"], n, now)
+                    active_standard += 1
+                while arrivals and arrivals[0] <= now:
+                    arrivals.pop(0)
+                    self.add("fast", s["fast_prompt"], s["fast_tokens"], now)
+                sched = engine.scheduler
+                waiting_standard = len(sched.waiting["standard"])
+                outputs = engine.step()
+                done = time.monotonic()
+                plan, result = engine.last_plan, engine.last_result
+                if plan.seqs:
+                    scheduled = {x.request_id for x in plan.seqs}
+                    skipped = sum(1 for r in sched.running.values() if r.tier == "standard" and r.request_id not in scheduled)
+                    self.steps.append({
+                        "end": done - start, "seconds": result.seconds, "predicted": plan.predicted_seconds,
+                        "budget": plan.budget_seconds, "fast": sum(x.tier == "fast" for x in plan.seqs),
+                        "seqs": len(plan.seqs), "tokens": plan.num_tokens, "drafts": sum(x.num_draft for x in plan.seqs),
+                        "standard_waiting": waiting_standard + skipped, "in_window": window[0] <= done <= window[1],
+                    })
+                for out in outputs:
+                    record = self.requests[out.request_id]
+                    if out.new_token_ids:
+                        record["tokens"].append((done, len(out.new_token_ids)))
+                    if out.finished:
+                        record["finished"] = True
+                        active_standard -= out.tier == "standard"
+                bar.n = min(bar.total, round(done - start))
+                bar.refresh()
+        engine.abort_all()
+        return self.metrics(*window)
+
+    def metrics(self, t0: float, t1: float) -> dict:
+        tiers = {}
+        for tier in ("fast", "standard"):
+            reqs = [r for r in self.requests.values() if r["tier"] == tier]
+            ttft = [r["tokens"][0][0] - r["arrival"] for r in reqs if r["tokens"] and t0 <= r["arrival"] <= t1]
+            gaps, per_user = [], []
+            for r in reqs:
+                # Token events after the first, inside the window, each with the event before it.
+                pairs = [(a[0], b) for a, b in zip(r["tokens"], r["tokens"][1:]) if t0 <= b[0] <= t1]
+                for before, (t, n) in pairs:
+                    gaps += [(t - before) / n] * n  # n tokens at once (accepted drafts) share the gap
+                if pairs:
+                    per_user.append(sum(n for _, (_, n) in pairs) / (pairs[-1][1][0] - pairs[0][0]))
+            tokens = sum(n for r in reqs for t, n in r["tokens"] if t0 <= t <= t1)
+            tiers[tier] = {
+                "requests": len(reqs), "finished": sum(r["finished"] for r in reqs),
+                "tok_s_per_user": statistics.mean(per_user) if per_user else None,
+                "ttft_p50": quantile(ttft, 0.5), "ttft_p99": quantile(ttft, 0.99),
+                "tpot_p50": quantile(gaps, 0.5), "tpot_p99": quantile(gaps, 0.99),
+                "tok_s": tokens / (t1 - t0),
+            }
+        total = sum(t["tok_s"] for t in tiers.values())
+        return {"tiers": tiers, "total_tok_s": total, "steps": self.steps}
+
+
+def shaping(run: dict, target: float) -> dict:
+    """How the steps that carried fast work used the fast target's time."""
+    fast_steps = [x for x in run["steps"] if x["in_window"] and x["fast"]]
+    crowded = [x for x in fast_steps if x["standard_waiting"] and x["predicted"] is not None]
+    return {
+        "fast_steps": len(fast_steps),
+        "measured_within_target": sum(x["seconds"] <= target for x in fast_steps) / len(fast_steps) if fast_steps else None,
+        "crowded_steps": len(crowded),
+        "planned_fill_mean": statistics.mean(x["predicted"] / target for x in crowded) if crowded else None,
+        "planned_fill_at_least_90pct": sum(x["predicted"] >= 0.9 * target for x in crowded) / len(crowded) if crowded else None,
+        "drafts_sent": sum(x["drafts"] for x in fast_steps),
+    }
+
+
+def idle_single_stream(engine: Engine, settings: dict, runs: int) -> dict:
+    """One standard request alone: the speed a user gets from an idle engine."""
+    base = copy.deepcopy(engine.config.scheduler)
+    base.policy = "fcfs"
+    rng = random.Random(99)
+    ttfts, speeds = [], []
+    for _ in range(runs):
+        engine.scheduler = Scheduler(base, engine.step_model)
+        start = time.monotonic()
+        engine.add_request(prompt(rng, settings["fast_prompt"]), SamplingParams(
+            max_tokens=settings["fast_tokens"], temperature=0.0, ignore_eos=True), request_id="idle")
+        times = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                times.append(time.monotonic())
+        ttfts.append(times[0] - start)
+        speeds.append((len(times) - 1) / (times[-1] - times[0]))
+    return {"ttft": statistics.median(ttfts), "tok_s": statistics.median(speeds), "runs": runs}
+
+
+def fast_arrival_times(engine: Engine, s: dict, seed: int) -> list[float]:
+    """Poisson fast arrivals at fast_share of all requests, from the step model's estimate of
+    how quickly the standard streams turn over; the same times for every policy."""
+    shape = StepShape("")
+    for _ in range(s["streams"]):
+        shape = shape.plus(s["standard_prompt"] + s["standard_tokens"] // 2, 1, 1)
+    sched = engine.config.scheduler
+    step = engine.step_model.predict(shape.with_kernel(sched.kernel_for(shape.tokens)))
+    standard_rate = s["streams"] / (s["standard_tokens"] * step * 1.3)  # 1.3: the prefill share
+    rate = standard_rate * s["fast_share"] / (1 - s["fast_share"])
+    rng, t, times = random.Random(seed), s["warmup"] / 2, []
+    while t < s["warmup"] + s["duration"]:
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run(settings: dict, quick: bool) -> dict:
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(), progress=True)
+    base = engine.config.scheduler
+    default_target = base.tiers["fast"].tpot_target
+    result = {
+        "command": "python benchmarks/lanes.py" + (" --quick" if quick else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "settings": {**settings, "default_fast_target": default_target,
+                     "standard_slo": base.tiers["standard"].tpot_target, "max_num_seqs": base.max_num_seqs,
+                     "speculative_tokens": base.speculative_tokens},
+        "step_model_start": engine.step_model.to_dict(),
+    }
+    result["idle"] = idle_single_stream(engine, settings, settings["idle_runs"])
+    arrivals = fast_arrival_times(engine, settings, seed=1)
+    result["fast_arrivals"] = len(arrivals)
+
+    def load(name: str, policy: str, target: float, with_fast: bool) -> dict:
+        cfg = copy.deepcopy(base)
+        cfg.policy = policy
+        cfg.tiers["fast"].tpot_target = target
+        engine.scheduler = Scheduler(cfg, engine.step_model)
+        out = LoadRun(engine, settings, arrivals if with_fast else [], seed=2).run(name)
+        out.update(policy=policy, fast_target=target, with_fast=with_fast, shaping=shaping(out, target))
+        if engine.scheduler.speculation.proposed:
+            spec = engine.scheduler.speculation
+            out["speculation"] = {"proposed": spec.proposed, "accepted": spec.accepted,
+                                  "acceptance": spec.accepted / spec.proposed}
+        return out
+
+    runs = {}
+    for policy in ("fcfs", "priority", "lanes"):
+        runs[policy] = load(policy, policy, default_target, True)
+    for policy in ("fcfs", "lanes"):
+        runs[f"{policy}_no_fast"] = load(f"{policy} without fast", policy, default_target, False)
+    for target in settings["sweep"]:
+        if target != default_target:
+            runs[f"lanes_{target}"] = load(f"lanes at {target * 1e3:.0f} ms", "lanes", target, True)
+    result["runs"] = runs
+    model = engine.step_model
+    result["step_model"] = {**model.to_dict(), "by_kernel": {
+        k: {"steps": e.count, "mean_abs_seconds": e.mean_abs_seconds, "mean_rel": e.mean_rel}
+        for k, e in model.error_by_kernel.items()}}
+    result["summary"] = summarize(result)
+    result["total_seconds"] = time.perf_counter() - started
+    result["machine"]["load_average_at_end"] = os.getloadavg()[0]
+    return result
+
+
+def summarize(r: dict) -> dict:
+    runs, idle, target = r["runs"], r["idle"], r["settings"]["default_fast_target"]
+    lanes = runs["lanes"]
+    fast, standard = lanes["tiers"]["fast"], lanes["tiers"]["standard"]
+    sweep = []
+    for target_s in sorted(r["settings"]["sweep"]):
+        run_ = lanes if target_s == target else runs[f"lanes_{target_s}"]
+        sweep.append({"fast_target": target_s, "fast_tok_s_per_user": run_["tiers"]["fast"]["tok_s_per_user"],
+                      "total_tok_s": run_["total_tok_s"], "fast_finished": run_["tiers"]["fast"]["finished"]})
+    no_fast = runs["lanes_no_fast"]["total_tok_s"]
+    given_up = (no_fast - lanes["total_tok_s"]) * r["settings"]["duration"]
+    summary = {
+        "fast_over_standard_per_user": _ratio(fast["tok_s_per_user"], standard["tok_s_per_user"]),
+        "fast_over_idle_single_stream": _ratio(fast["tok_s_per_user"], idle["tok_s"]),
+        "fast_ttft_p99_over_idle": _ratio(fast["ttft_p99"], idle["ttft"]),
+        "priority_fast_over_standard_per_user": _ratio(runs["priority"]["tiers"]["fast"]["tok_s_per_user"],
+                                                       runs["priority"]["tiers"]["standard"]["tok_s_per_user"]),
+        "lanes_over_fcfs_without_fast": _ratio(no_fast, runs["fcfs_no_fast"]["total_tok_s"]),
+        "planned_fill_at_least_90pct": lanes["shaping"]["planned_fill_at_least_90pct"],
+        "measured_within_target": lanes["shaping"]["measured_within_target"],
+        "tokens_given_up_per_fast_request": given_up / max(1, fast["finished"]),
+        "engine_seconds_given_up_per_fast_request": given_up / no_fast / max(1, fast["finished"]),
+        "step_model_mean_abs_ms": r["step_model"]["error"]["mean_abs_seconds"] * 1e3,
+        "step_model_mean_rel": r["step_model"]["error"]["mean_rel"],
+        "sweep": sweep,
+    }
+    s = summary
+    summary["targets"] = {
+        "fast_at_least_4x_standard_per_user": (s["fast_over_standard_per_user"] or 0) >= 4,
+        "fast_at_least_half_idle_single_stream": (s["fast_over_idle_single_stream"] or 0) >= 0.5,
+        "fast_ttft_p99_within_2x_idle": s["fast_ttft_p99_over_idle"] is not None and s["fast_ttft_p99_over_idle"] <= 2,
+        "planned_steps_fill_90pct_of_budget": (s["planned_fill_at_least_90pct"] or 0) >= 0.95,
+        "measured_steps_meet_target_95pct": (s["measured_within_target"] or 0) >= 0.95,
+        "lanes_within_5pct_of_fcfs_without_fast": (s["lanes_over_fcfs_without_fast"] or 0) >= 0.95,
+    }
+    return summary
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = r["summary"]["sweep"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot([p["total_tok_s"] for p in sweep], [p["fast_tok_s_per_user"] for p in sweep], "o-", label="lanes, by fast TPOT target")
+    for p in sweep:
+        ax.annotate(f"{p['fast_target'] * 1e3:.0f} ms", (p["total_tok_s"], p["fast_tok_s_per_user"]),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)
+    for policy, marker in (("fcfs", "s"), ("priority", "^")):
+        run_ = r["runs"][policy]
+        ax.plot([run_["total_tok_s"]], [run_["tiers"]["fast"]["tok_s_per_user"]], marker, label=policy)
+    ax.axhline(r["idle"]["tok_s"], color="gray", ls="--", lw=0.8, label="idle single stream")
+    ax.set_xlabel("total tokens/s (all lanes)")
+    ax.set_ylabel("fast lane tokens/s per user")
+    ax.set_title("The price of speed: fast-lane speed against total throughput")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(r: dict, raw: str, png: str) -> str:
+    m, s, runs = r["machine"], r["summary"], r["runs"]
+    f = lambda v, fmt=".2f": "–" if v is None else format(v, fmt)  # noqa: E731
+    ms = lambda v: "–" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+    st = r["settings"]
+    lines = [
+        f"Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores, torch "
+        f"{m['torch_threads']} threads); load average {m['load_average_at_start']:.1f} at start, "
+        f"{m['load_average_at_end']:.1f} at end. Raw: `{raw}`.",
+        "",
+        f"Load: {st['streams']} standard streams (closed loop, {st['standard_prompt']}-token prompts, "
+        f"{st['standard_tokens'] // 2}–{st['standard_tokens'] * 3 // 2} new tokens) and {r['fast_arrivals']} fast requests "
+        f"arriving at random (~{st['fast_share']:.0%} of requests; {st['fast_prompt']}-token prompts, {st['fast_tokens']} "
+        f"new tokens); {st['duration']:.0f} s measured after {st['warmup']:.0f} s of warm-up. Fast TPOT target "
+        f"{st['default_fast_target'] * 1e3:.0f} ms, standard p99 TPOT SLO {st['standard_slo']:.1f} s. "
+        f"Idle single stream: {r['idle']['tok_s']:.1f} tok/s, TTFT {r['idle']['ttft'] * 1e3:.0f} ms.",
+        "",
+        "| policy | tier | tok/s per user | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tier tok/s | total tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ("fcfs", "priority", "lanes", "fcfs_no_fast", "lanes_no_fast"):
+        run_ = runs[name]
+        for tier in ("fast", "standard"):
+            t = run_["tiers"][tier]
+            if not t["requests"]:
+                continue
+            lines.append(f"| {name} | {tier} | {f(t['tok_s_per_user'])} | {ms(t['ttft_p50'])} / {ms(t['ttft_p99'])} | "
+                         f"{ms(t['tpot_p50'])} / {ms(t['tpot_p99'])} | {f(t['tok_s'], '.1f')} | {f(run_['total_tok_s'], '.1f')} |")
+    sh = runs["lanes"]["shaping"]
+    spec = runs["lanes"].get("speculation")
+    lines += [
+        "",
+        f"Lanes vs its targets: fast per user {f(s['fast_over_standard_per_user'])}× standard (target ≥ 4) and "
+        f"{f(s['fast_over_idle_single_stream'])}× the idle single stream (≥ 0.5); fast TTFT p99 "
+        f"{f(s['fast_ttft_p99_over_idle'])}× idle (≤ 2); of {sh['crowded_steps']} fast steps with standard work waiting, "
+        f"{f(s['planned_fill_at_least_90pct'], '.0%')} were planned to ≥ 90% of the target (mean fill "
+        f"{f(sh['planned_fill_mean'], '.0%')}); {f(s['measured_within_target'], '.0%')} of {sh['fast_steps']} fast steps "
+        f"measured within the target (≥ 95%); without fast traffic lanes ran at {f(s['lanes_over_fcfs_without_fast'])}× "
+        f"fcfs throughput (≥ 0.95). Under `priority`, fast got {f(s['priority_fast_over_standard_per_user'])}× standard's "
+        f"per-user speed: reordering alone does not make it faster.",
+        "",
+        f"Speculation in the fast lane: {spec['proposed']} drafts, {spec['accepted']} accepted "
+        f"({spec['acceptance']:.0%})." if spec else "Speculation in the fast lane: no drafts were sent.",
+        "",
+        f"The price of speed (plot: `{png}`): each fast request cost the other lanes "
+        f"{s['tokens_given_up_per_fast_request']:.0f} tokens, {s['engine_seconds_given_up_per_fast_request']:.1f} s of "
+        "the whole engine's output.",
+        "",
+        "| fast TPOT target ms | fast tok/s per user | total tok/s | fast finished |",
+        "|---|---|---|---|",
+    ]
+    for p in s["sweep"]:
+        lines.append(f"| {p['fast_target'] * 1e3:.0f} | {f(p['fast_tok_s_per_user'])} | {p['total_tok_s']:.1f} | {p['fast_finished']} |")
+    lines += [
+        "",
+        f"Step-time model: mean absolute prediction error {s['step_model_mean_abs_ms']:.1f} ms "
+        f"({s['step_model_mean_rel']:.0%} of the step) over {r['step_model']['error']['steps']} steps.",
+        "",
+        "Targets: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in s["targets"].items()) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short, small load, for development")
+    args = parser.parse_args()
+    result = run(QUICK if args.quick else FULL, args.quick)
+    out = Path("out/lanes-quick.json" if args.quick else "results/lanes.json")
+    png = Path("out/lanes-quick.png" if args.quick else "results/lanes_tradeoff.png")
+    (README.parent / out).parent.mkdir(parents=True, exist_ok=True)
+    (README.parent / out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, README.parent / png)
+    section = markdown(result, str(out), str(png))
+    if not args.quick:
+        write_readme(README, "lanes", section)
+    print(section)
+    print(f"\nwrote benchmarks/{out}, benchmarks/{png}" + ("" if args.quick else " and benchmarks/README.md"))
+
+
+if __name__ == "__main__":
+    main()
