@@ -11,7 +11,7 @@ from tollway.scheduler.scheduler import QueueFullError, Scheduler
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 # Rough shape of the real CPU numbers: int8 cheap to start and steep per token, fp32 the opposite.
-COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002], "fp32": [0.060, 0.0020, 0.0120, 0.00002]}
+COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.004], "fp32": [0.060, 0.0020, 0.0120, 0.00002, 0.004]}
 
 
 class Clock:

@@ -499,7 +499,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # A step model makes lanes shape steps by time; tight targets make it skip and chunk.
         config.tiers["fast"].tpot_target, config.tiers["standard"].tpot_target = 0.05, 0.08
         config.tiers["fast"].reserved_kv_share = config.tiers["fast"].reserved_seq_share = 0.3
-        model = StepTimeModel({k: [0.02, 0.004, 0.003, 0.0] for k in ("int8", "fp32")}) if shaped else None
+        model = StepTimeModel({k: [0.02, 0.004, 0.003, 0.0, 0.002] for k in ("int8", "fp32")}) if shaped else None
         self.sched = Scheduler(config, model)
         self.runner = FakeRunner(self.sched, seed)
         self.added: list[Request] = []

@@ -10,7 +10,7 @@ from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import FEATURES, StepShape, StepTimeModel
 
 # Shaped like the real CPU numbers: int8 cheap to start and steep per token, fp32 the opposite.
-TRUTH = {"int8": [0.040, 0.0030, 0.0040, 0.00002], "fp32": [0.060, 0.0020, 0.0120, 0.00002]}
+TRUTH = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.005], "fp32": [0.060, 0.0020, 0.0120, 0.00002, 0.008]}
 
 
 def seconds(coefficients, shape: StepShape) -> float:
@@ -64,7 +64,7 @@ def test_plus_accumulates_and_with_kernel_keeps_the_work():
     shape = StepShape("int8").plus(0, 8, True).plus(5, 1, True).plus(20, 3, False)
     assert (shape.tokens, shape.sampled) == (12, 2)
     assert shape.attention == pytest.approx((8 * 9 // 2 + 6 + 3 * 20 + 6) / 1000)
-    assert shape.features() == (1.0, 12.0, 2.0, shape.attention)
+    assert shape.features() == (1.0, 12.0, 2.0, shape.attention, 2.0)  # two chunks: 8 and 3 tokens
     moved = shape.with_kernel("fp32")
     assert moved.kernel == "fp32" and moved.features() == shape.features()
 
@@ -103,11 +103,11 @@ def test_fit_never_returns_a_negative_coefficient():
     """Data where sampling seems to make a step cheaper: the fit drops that feature (no step
     gets cheaper by adding work) and still explains the rest."""
     rng = random.Random(3)
-    want_negative = [0.05, 0.002, -0.0005, 0.0001]
+    want_negative = [0.05, 0.002, -0.0005, 0.0001, 0.003]
     shapes = varied_shapes(rng, "int8", 80)
     assert all(seconds(want_negative, s) > 0 for s in shapes)
     model = StepTimeModel.fit([(s, seconds(want_negative, s)) for s in shapes])
-    fixed, tokens, sampled, attention = model.coefficients["int8"]
+    fixed, tokens, sampled, attention, chunks = model.coefficients["int8"]
     assert min(model.coefficients["int8"]) >= 0
     assert sampled == 0.0
     assert fixed > 0 and tokens > 0 and attention > 0
@@ -115,7 +115,7 @@ def test_fit_never_returns_a_negative_coefficient():
 
 def test_online_refit_never_goes_negative_either():
     rng = random.Random(4)
-    want_negative = [0.05, 0.002, -0.0005, 0.0001]
+    want_negative = [0.05, 0.002, -0.0005, 0.0001, 0.003]
     model = StepTimeModel({"int8": TRUTH["int8"]})
     for s in varied_shapes(rng, "int8", 64):
         model.observe(s, seconds(want_negative, s))
@@ -133,7 +133,7 @@ def test_predict_unknown_kernel_raises():
         model.predict(StepShape("bf16", 1, 1, 0.1))
 
 
-@pytest.mark.parametrize("coefficients", [[0.1, 0.2, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5]])
+@pytest.mark.parametrize("coefficients", [[0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
 def test_constructor_rejects_wrong_number_of_coefficients(coefficients):
     with pytest.raises(ValueError, match=f"int8: need {len(FEATURES)} coefficients, got {len(coefficients)}"):
         StepTimeModel({"fp32": TRUTH["fp32"], "int8": coefficients})
@@ -203,7 +203,7 @@ def test_ridge_holds_the_unvaried_direction_at_the_prior():
         shape = decode_batch("int8", rng.randint(1, 64), rng.randint(16, 2048))
         assert shape.sampled == shape.tokens
         model.observe(shape, seconds(prior, shape) * (1 + rng.uniform(-0.03, 0.03)))
-    fixed, tokens, sampled, _ = model.coefficients["int8"]
+    fixed, tokens, sampled, _, _ = model.coefficients["int8"]
     assert fixed == pytest.approx(prior[0], rel=0.1)
     assert tokens == pytest.approx(prior[1], rel=0.05)
     assert sampled == pytest.approx(prior[2], rel=0.05)
@@ -216,7 +216,7 @@ def test_to_dict_reports_features_coefficients_and_error():
     shape = decode_batch("fp32", 2, 50)
     model.observe(shape, 2 * seconds(TRUTH["fp32"], shape))
     d = model.to_dict()
-    assert d["features"] == ["fixed", "tokens", "sampled", "attention"]
+    assert d["features"] == ["fixed", "tokens", "sampled", "attention", "chunks"]
     assert d["coefficients"] == TRUTH
     assert d["error"]["steps"] == 1
     assert d["error"]["mean_rel"] == pytest.approx(0.5)
@@ -224,7 +224,7 @@ def test_to_dict_reports_features_coefficients_and_error():
 
 
 def test_non_finite_and_non_positive_times_are_ignored():
-    model = StepTimeModel({"int8": [0.05, 0.001, 0.002, 0.0001]}, refit_every=1)
+    model = StepTimeModel({"int8": [0.05, 0.001, 0.002, 0.0001, 0.0]}, refit_every=1)
     before = list(model.coefficients["int8"])
     for bad in (float("nan"), float("inf"), 0.0, -1.0):
         model.observe(StepShape("int8", 4, 4, 1.0), bad)
@@ -235,9 +235,9 @@ def test_non_finite_and_non_positive_times_are_ignored():
 
 
 def test_headroom_is_the_recent_overrun_quantile():
-    model = StepTimeModel({"int8": [0.1, 0.0, 0.0, 0.0]}, refit_every=10**9)
-    assert model.headroom(0.95) == 1.0  # too few steps to say
+    model = StepTimeModel({"int8": [0.1, 0.0, 0.0, 0.0, 0.0]}, refit_every=10**9)
+    assert model.headroom("int8", 0.95) == 1.0  # too few steps to say
     for i in range(100):  # measured 0.1 s * 1.00 .. 1.99
         model.observe(StepShape("int8", 1, 1, 0.0), 0.1 * (1 + i / 100))
-    assert model.headroom(0.95) == pytest.approx(1.95)
-    assert model.headroom(0.5) == pytest.approx(1.50)
+    assert model.headroom("int8", 0.95) == pytest.approx(1.95)
+    assert model.headroom("int8", 0.5) == pytest.approx(1.50)

@@ -49,7 +49,7 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
 
 def profile_key(sched: SchedulerConfig) -> str:
     """What the profile plans depend on."""
-    return (f"steps|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
+    return (f"steps-v2|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
             f"{sched.max_num_seqs}|{sched.max_num_batched_tokens}|{_context(sched)}")
 
 
@@ -68,8 +68,9 @@ def profile_step_times(runner, sched: SchedulerConfig, repeats: int = 1,
 
 
 def samples_to_json(samples: list[tuple[StepShape, float]]) -> list[list]:
-    return [[s.kernel, s.tokens, s.sampled, s.attention, seconds] for s, seconds in samples]
+    return [[s.kernel, s.tokens, s.sampled, s.attention, s.chunks, seconds] for s, seconds in samples]
 
 
 def samples_from_json(rows: list[list]) -> list[tuple[StepShape, float]]:
-    return [(StepShape(kernel, tokens, sampled, attention), seconds) for kernel, tokens, sampled, attention, seconds in rows]
+    return [(StepShape(kernel, tokens, sampled, attention, chunks), seconds)
+            for kernel, tokens, sampled, attention, chunks, seconds in rows]

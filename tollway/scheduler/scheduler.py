@@ -38,11 +38,16 @@ class QueueFullError(ValueError):
 
 
 class _Step:
-    """The plan being built, with its predicted time against the step's time budget."""
+    """The plan being built, with its predicted time against the step's time target."""
 
-    def __init__(self, sched: Scheduler, seconds: float | None):
+    def __init__(self, sched: Scheduler, target: tuple[float, float] | None):
+        """target: (seconds, quantile): the step should finish within `seconds` in that
+        fraction of steps. Predictions are stretched by the model's recent overrun at that
+        quantile, per kernel, so that measured steps, not predicted ones, meet it."""
         self.sched = sched
-        self.seconds = seconds  # None: only the token budget and seq cap limit the step
+        self.seconds = target[0] if target else None  # None: only the token budget and seq cap limit the step
+        model = sched.step_model
+        self.headroom = {k: model.headroom(k, target[1]) for k in model.coefficients} if target else {}
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
@@ -50,6 +55,12 @@ class _Step:
     def predict(self, shape: StepShape) -> float:
         model = self.sched.step_model
         return model.predict(shape.with_kernel(self.sched.config.kernel_for(shape.tokens))) if model else 0.0
+
+    def budget(self) -> float | None:
+        """The target in predicted seconds for this step's kernel: what the plan was fitted to."""
+        if self.seconds is None:
+            return None
+        return self.seconds / self.headroom.get(self.sched.config.kernel_for(self.shape.tokens), 1.0)
 
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
@@ -71,7 +82,8 @@ class _Step:
         return lo
 
     def _fits(self, start: int, n: int, sample: bool) -> bool:
-        return self.predict(self.shape.plus(start, n, sample)) <= self.seconds
+        shape = self.shape.plus(start, n, sample)
+        return self.predict(shape) * self.headroom.get(self.sched.config.kernel_for(shape.tokens), 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
@@ -188,7 +200,7 @@ class Scheduler:
         self._step_id += 1
         self._in_flight = {}
         now = self.clock()
-        step = _Step(self, self._time_budget())
+        step = _Step(self, self._time_target())
         preempted: list[str] = []
         for kind, requests in self._phases(now):
             if kind == "run":
@@ -201,7 +213,7 @@ class Scheduler:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel = self.config.kernel_for(step.shape.tokens)
         predicted = step.predict(step.shape) if self.step_model and step.seqs else None
-        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.seconds)
+        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget())
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
@@ -251,16 +263,16 @@ class Scheduler:
 
     # ---- policy -------------------------------------------------------------------------
 
-    def _time_budget(self) -> float | None:
+    def _time_target(self) -> tuple[float, float] | None:
+        """(seconds, quantile) the step must meet: the fast target in 95% of steps while fast
+        work is about, else standard's p99 SLO."""
         if self.policy != "lanes" or self.step_model is None:
             return None
-        # Planned below the target by the model's recent overruns: the fast target is met in
-        # 95% of measured steps, standard's SLO is a p99.
         if self.waiting["fast"] or self._num_running["fast"]:
             target, quantile = self.tiers["fast"].tpot_target, 0.95
         else:
             target, quantile = self.tiers["standard"].tpot_target, 0.99
-        return target / self.step_model.headroom(quantile) if target else None
+        return (target, quantile) if target else None
 
     def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
         """What the step considers, in order: ("run", running requests to continue) and

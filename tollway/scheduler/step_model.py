@@ -1,6 +1,6 @@
 """StepTimeModel: how long a step will take, predicted from what is in it.
 
-A step's time is close to linear in four features, with one coefficient set per kernel
+A step's time is close to linear in five features, with one coefficient set per kernel
 (the int8 GEMV-style kernel and a dense GEMM scale very differently):
 
   fixed      1 per step: reading every weight once, per-op overhead
@@ -8,6 +8,8 @@ A step's time is close to linear in four features, with one coefficient set per 
   sampled    rows through the LM head (one per sampling sequence, 1 + k when verifying k drafts;
              the head is 60% of the weights)
   attention  query-key pairs, in thousands (a decode at context c reads c keys)
+  chunks     sequences fed more than one token: each runs its own attention pass, where
+             all single-token decodes share one
 
 The starting coefficients come from timing the real runner (model/step_profile.py); after
 that every measured step refines them. Fitting is weighted least squares on relative error,
@@ -18,9 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-FEATURES = ("fixed", "tokens", "sampled", "attention")
+FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class StepShape:
     tokens: int = 0
     sampled: int = 0
     attention: float = 0.0  # query-key pairs / 1000
+    chunks: int = 0  # sequences with more than one new token (prefill chunks, draft checks)
 
     @classmethod
     def of(cls, plan) -> StepShape:
@@ -43,13 +46,14 @@ class StepShape:
         """This step with one more sequence: num_new tokens at positions start_pos.., of which
         the last `logit_rows` go through the LM head (1 to sample, 1 + k to verify k drafts)."""
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
-        return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows), self.attention + pairs / 1000)
+        return replace(self, tokens=self.tokens + num_new, sampled=self.sampled + int(logit_rows),
+                       attention=self.attention + pairs / 1000, chunks=self.chunks + (num_new > 1))
 
     def with_kernel(self, kernel: str) -> StepShape:
-        return StepShape(kernel, self.tokens, self.sampled, self.attention)
+        return replace(self, kernel=kernel)
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, float(self.tokens), float(self.sampled), self.attention)
+        return (1.0, float(self.tokens), float(self.sampled), self.attention, float(self.chunks))
 
 
 @dataclass
@@ -89,7 +93,7 @@ class StepTimeModel:
             k: deque(maxlen=window) for k in coefficients}
         self._base: dict[str, list[tuple[tuple[float, ...], float]]] = {k: [] for k in coefficients}
         self._since_refit = 0
-        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
+        self._ratios = {k: deque(maxlen=window) for k in coefficients}  # measured / predicted, latest steps
         self.error = PredictionError()
         self.error_by_kernel: dict[str, PredictionError] = {k: PredictionError() for k in coefficients}
 
@@ -123,19 +127,21 @@ class StepTimeModel:
         predicted = self.predict(shape)
         self.error.add(predicted, seconds)
         if predicted > 0:
-            self._ratios.append(seconds / predicted)
+            self._ratios[shape.kernel].append(seconds / predicted)
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
         self._window[shape.kernel].append((shape.features(), seconds))
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
 
-    def headroom(self, quantile: float, min_steps: int = 20) -> float:
-        """How much longer than predicted a step runs at this quantile of recent steps (>= 1).
-        Planning to target / headroom meets the target in about that fraction of steps."""
-        if len(self._ratios) < min_steps:
+    def headroom(self, kernel: str, quantile: float, min_steps: int = 20) -> float:
+        """How much longer than predicted a step with this kernel runs, at this quantile of
+        recent steps (>= 1). Planning to target / headroom meets the target in about that
+        fraction of steps."""
+        ratios = self._ratios.get(kernel, ())
+        if len(ratios) < min_steps:
             return 1.0
-        ordered = sorted(self._ratios)
+        ordered = sorted(ratios)
         return max(1.0, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
 
     def refit(self) -> None:
