@@ -96,6 +96,7 @@ class LoadRun:
                     self.steps.append({
                         "end": done - start, "seconds": result.seconds, "predicted": plan.predicted_seconds,
                         "budget": plan.budget_seconds, "fast": sum(x.tier == "fast" for x in plan.seqs),
+                        "fast_decodes": sum(x.tier == "fast" and (x.is_decode or x.num_draft > 0) for x in plan.seqs),
                         "seqs": len(plan.seqs), "tokens": plan.num_tokens, "drafts": sum(x.num_draft for x in plan.seqs),
                         "standard_waiting": waiting_standard + skipped, "in_window": window[0] <= done <= window[1],
                     })
@@ -136,11 +137,11 @@ class LoadRun:
 
 
 def shaping(run: dict, target: float) -> dict:
-    """How the steps that carried fast work used the fast target's time. A plan is fitted to
-    its budget: the target in predicted seconds, i.e. shrunk by the step model's recent p95
-    overrun, so that measured steps meet the target."""
-    fast_steps = [x for x in run["steps"] if x["in_window"] and x["fast"]]
-    crowded = [x for x in fast_steps if x["standard_waiting"] and x["predicted"] is not None]
+    """How the steps that carried fast decodes (the steps a fast TPOT is made of) used the fast
+    target's time. A plan is fitted to its budget: the target in predicted seconds, i.e. shrunk
+    by the step model's recent p95 overrun, so that measured steps meet the target."""
+    fast_steps = [x for x in run["steps"] if x["in_window"] and x["fast_decodes"]]
+    crowded = [x for x in fast_steps if x["standard_waiting"] and x["budget"] is not None]
 
     def share(steps, ok):
         return sum(map(ok, steps)) / len(steps) if steps else None

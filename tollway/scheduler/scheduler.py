@@ -40,14 +40,17 @@ class QueueFullError(ValueError):
 class _Step:
     """The plan being built, with its predicted time against the step's time target."""
 
-    def __init__(self, sched: Scheduler, target: tuple[float, float] | None):
+    def __init__(self, sched: Scheduler, target: tuple[float, float] | None, fast_decoding: bool = False):
         """target: (seconds, quantile): the step should finish within `seconds` in that
         fraction of steps. Predictions are stretched by the model's recent overrun at that
-        quantile, per kernel, so that measured steps, not predicted ones, meet it."""
+        quantile, per kernel, so that measured steps, not predicted ones, meet it.
+        `fast_decoding`: a fast request is past its prefill, so its TPOT is at stake; otherwise
+        a fast prefill is about TTFT and goes in whole."""
         self.sched = sched
         self.seconds = target[0] if target else None  # None: only the token budget and seq cap limit the step
+        self.fast_decoding = fast_decoding
         model = sched.step_model
-        self.headroom = {k: model.headroom(k, target[1]) for k in model.coefficients} if target else {}
+        self.headroom = {k: model.headroom(k, target[1], near=target[0]) for k in model.coefficients} if target else {}
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
@@ -64,11 +67,12 @@ class _Step:
 
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
-        `must` (a fast request) gets at least one block's worth even past the time budget."""
+        `must` (a fast request) gets at least one block's worth even past the time budget, and
+        all it can while no fast request decodes (its time to first token is what counts then)."""
         n = min(remaining, self.tokens_left)
         if n <= 0 or len(self.seqs) >= self.sched.config.max_num_seqs:
             return 0
-        if self.seconds is None:
+        if self.seconds is None or (must and not self.fast_decoding):
             return n
         lo, hi = 0, n  # the largest fitting count: time grows with tokens
         while lo < hi:
@@ -200,7 +204,8 @@ class Scheduler:
         self._step_id += 1
         self._in_flight = {}
         now = self.clock()
-        step = _Step(self, self._time_target())
+        fast_decoding = any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self.running.values())
+        step = _Step(self, self._time_target(), fast_decoding)
         preempted: list[str] = []
         for kind, requests in self._phases(now):
             if kind == "run":

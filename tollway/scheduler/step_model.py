@@ -93,7 +93,8 @@ class StepTimeModel:
             k: deque(maxlen=window) for k in coefficients}
         self._base: dict[str, list[tuple[tuple[float, ...], float]]] = {k: [] for k in coefficients}
         self._since_refit = 0
-        self._ratios = {k: deque(maxlen=window) for k in coefficients}  # measured / predicted, latest steps
+        # (predicted, measured / predicted) of the latest steps, per kernel
+        self._overruns: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in coefficients}
         self.error = PredictionError()
         self.error_by_kernel: dict[str, PredictionError] = {k: PredictionError() for k in coefficients}
 
@@ -127,18 +128,22 @@ class StepTimeModel:
         predicted = self.predict(shape)
         self.error.add(predicted, seconds)
         if predicted > 0:
-            self._ratios[shape.kernel].append(seconds / predicted)
+            self._overruns[shape.kernel].append((predicted, seconds / predicted))
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
         self._window[shape.kernel].append((shape.features(), seconds))
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
 
-    def headroom(self, kernel: str, quantile: float, min_steps: int = 20) -> float:
+    def headroom(self, kernel: str, quantile: float, near: float | None = None, min_steps: int = 20) -> float:
         """How much longer than predicted a step with this kernel runs, at this quantile of
-        recent steps (>= 1). Planning to target / headroom meets the target in about that
-        fraction of steps."""
-        ratios = self._ratios.get(kernel, ())
+        recent steps (>= 1); of steps predicted within 2x of `near` when there are enough, since
+        small and large steps miss by different amounts. Planning to target / headroom meets
+        the target in about that fraction of steps."""
+        overruns = self._overruns.get(kernel, ())
+        ratios = [r for p, r in overruns if near is None or near / 2 <= p <= near * 2]
+        if len(ratios) < min_steps:
+            ratios = [r for _, r in overruns]
         if len(ratios) < min_steps:
             return 1.0
         ordered = sorted(ratios)
