@@ -63,7 +63,9 @@ def default_tiers() -> dict[str, TierSpec]:
 class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 2048  # KV blocks in the pool
-    max_num_seqs: int = 64  # cap on sequences per step
+    # Cap on sequences per step. Under lanes the standard SLO, not this cap, sets the batch
+    # size, so the cap sits well above it: fast's reserved seats then cost nothing while idle.
+    max_num_seqs: int = 128
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     max_model_len: int = 8192  # prompt + output, per request
     enable_prefix_caching: bool = True
