@@ -1,6 +1,7 @@
 """Helpers the benchmark scripts share: what machine this is, prompts, the README sections."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -46,3 +47,16 @@ def write_readme(readme: Path, name: str, section: str) -> None:
     head, _, rest = text.partition(begin)
     _, _, tail = rest.partition(end)
     readme.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+
+
+def targets_line(targets: dict[str, bool]) -> str:
+    return "Targets: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in targets.items()) + "."
+
+
+def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
+    """results/<name>.json, or out/<name>-quick.json: quick figures never replace the full ones.
+    Returns the path relative to `benchmarks`."""
+    out = Path(f"out/{name}-quick.json" if quick else f"results/{name}.json")
+    (benchmarks / out).parent.mkdir(parents=True, exist_ok=True)
+    (benchmarks / out).write_text(json.dumps(result, indent=1) + "\n")
+    return out

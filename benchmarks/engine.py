@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, random_prompts, write_readme  # noqa: E402
+from common import machine_info, random_prompts, save_json, targets_line, write_readme  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -357,7 +356,7 @@ def markdown(r: dict, raw: str) -> str:
         f"(prefill / floor {s['prefill_over_layers_only_floor']:.2f}).",
     ]
     if s["targets"]:
-        lines += ["", "Targets: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in s["targets"].items()) + "."]
+        lines += ["", targets_line(s["targets"])]
     return "\n".join(lines)
 
 
@@ -366,10 +365,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small batches and few tokens, for development")
     args = parser.parse_args()
     result = run(QUICK if args.quick else FULL, args.quick)
-    # Quick figures never replace the committed full ones.
-    out = Path("out/engine-quick.json" if args.quick else "results/engine.json")
-    (README.parent / out).parent.mkdir(parents=True, exist_ok=True)
-    (README.parent / out).write_text(json.dumps(result, indent=1) + "\n")
+    out = save_json(README.parent, "engine", result, args.quick)
     section = markdown(result, str(out))
     if not args.quick:
         write_readme(README, "engine", section)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, write_readme  # noqa: E402
+from common import machine_info, save_json, targets_line, write_readme  # noqa: E402
 from tollway.config import EngineConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
@@ -45,6 +44,19 @@ QUICK = dict(duration=20.0, warmup=8.0, streams=16, fast_share=0.10, standard_pr
 def prompt(rng: random.Random, length: int) -> list[int]:
     # Ordinary vocabulary ids, distinct per request: no prefix-cache shortcuts.
     return [rng.randrange(1000, 100_000) for _ in range(length)]
+
+
+# Fast requests are chat-like text: speculation's n-gram drafts need text that text follows.
+TOPICS = ["rivers of Europe", "how a bicycle works", "the water cycle", "baking bread", "the planets",
+          "how vaccines work", "the history of tea", "learning to swim", "volcanoes", "the Roman roads"]
+
+
+def text_prompt(engine: Engine, rng: random.Random, length: int) -> list[int]:
+    topic = rng.choice(TOPICS)
+    text = (f"Write a short list about {topic}. Item 1: {topic} are interesting. Item 2: {topic} are useful. "
+            f"Item 3: {topic} are")
+    ids = engine.tokenizer.encode(text)
+    return (ids * (length // len(ids) + 1))[-length:] if len(ids) < length else ids[-length:]
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -67,7 +79,8 @@ class LoadRun:
         rid = f"{tier}-{self.count}"
         self.count += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(prompt(self.rng, prompt_len), params, tier=tier, request_id=rid)
+        ids = text_prompt(self.engine, self.rng, prompt_len) if tier == "fast" else prompt(self.rng, prompt_len)
+        self.engine.add_request(ids, params, tier=tier, request_id=rid)
         self.requests[rid] = {"tier": tier, "arrival": now, "tokens": [], "finished": False}
 
     def run(self, desc: str) -> dict:
@@ -167,7 +180,7 @@ def idle_single_stream(engine: Engine, settings: dict, runs: int) -> dict:
     for _ in range(runs):
         engine.scheduler = Scheduler(base, engine.step_model)
         start = time.monotonic()
-        engine.add_request(prompt(rng, settings["fast_prompt"]), SamplingParams(
+        engine.add_request(text_prompt(engine, rng, settings["fast_prompt"]), SamplingParams(
             max_tokens=settings["fast_tokens"], temperature=0.0, ignore_eos=True), request_id="idle")
         times = []
         while engine.has_unfinished():
@@ -184,8 +197,7 @@ def fast_arrival_times(engine: Engine, s: dict, seed: int) -> list[float]:
     shape = StepShape("")
     for _ in range(s["streams"]):
         shape = shape.plus(s["standard_prompt"] + s["standard_tokens"] // 2, 1, 1)
-    sched = engine.config.scheduler
-    step = engine.step_model.predict(shape.with_kernel(sched.kernel_for(shape.tokens)))
+    step = engine.step_model.predict(shape.with_kernel(engine.scheduler.kernel_for(shape)))
     standard_rate = s["streams"] / (s["standard_tokens"] * step * 1.3)  # 1.3: the prefill share
     rate = standard_rate * s["fast_share"] / (1 - s["fast_share"])
     rng, t, times = random.Random(seed), s["warmup"] / 2, []
@@ -376,7 +388,7 @@ def markdown(r: dict, raw: str, png: str) -> str:
         f"Step-time model: mean absolute prediction error {s['step_model_mean_abs_ms']:.1f} ms "
         f"({s['step_model_mean_rel']:.0%} of the step) over {r['step_model']['error']['steps']} steps.",
         "",
-        "Targets: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in s["targets"].items()) + ".",
+        targets_line(s["targets"]),
     ]
     return "\n".join(lines)
 
@@ -386,10 +398,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short, small load, for development")
     args = parser.parse_args()
     result = run(QUICK if args.quick else FULL, args.quick)
-    out = Path("out/lanes-quick.json" if args.quick else "results/lanes.json")
+    out = save_json(README.parent, "lanes", result, args.quick)
     png = Path("out/lanes-quick.png" if args.quick else "results/lanes_tradeoff.png")
-    (README.parent / out).parent.mkdir(parents=True, exist_ok=True)
-    (README.parent / out).write_text(json.dumps(result, indent=1) + "\n")
     plot(result, README.parent / png)
     section = markdown(result, str(out), str(png))
     if not args.quick:

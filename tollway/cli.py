@@ -1,4 +1,4 @@
-"""Command line: tollway generate "prompt" (more subcommands come with the server)."""
+"""Command line: tollway serve (the OpenAI-compatible server) and tollway generate "prompt"."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a stop string; repeat for more")
     gen.add_argument("--tier", default="standard", choices=TIERS)
     add_engine_arguments(gen)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    add_engine_arguments(serve)
     return parser
 
 
@@ -75,10 +80,43 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import ipaddress
+
+    import uvicorn
+
+    from tollway.async_engine import AsyncEngine
+    from tollway.engine import Engine
+    from tollway.server.app import create_app
+    from tollway.server.metrics import Metrics
+
+    config = engine_config(args)
+    name = args.served_model_name or config.model
+    metrics = Metrics(name)
+    engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
+    try:
+        if not _is_loopback(args.host, ipaddress):
+            print(f"tollway: warning: serving {args.host} with no API keys: anyone who can reach it can use it",
+                  file=sys.stderr)
+        uvicorn.run(create_app(engine, name, metrics), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _is_loopback(host: str, ipaddress) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)
         return 2

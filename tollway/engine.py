@@ -121,6 +121,7 @@ class Engine:
         # A step adds one token per sequence, or several when drafts were accepted.
         before = {s.request_id: len(self.scheduler.get(s.request_id).output_token_ids) for s in plan.seqs}
         outputs = []
+        now = time.monotonic()
         for req in self.scheduler.commit(plan, result):
             new_ids = req.output_token_ids[before[req.request_id]:]
             stream = self.streams.get(req.request_id)
@@ -133,7 +134,9 @@ class Engine:
                 request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
                 token_ids=list(req.output_token_ids), new_token_ids=new_ids,
                 logprobs=req.output_logprobs, finished=req.finished, finish_reason=req.finish_reason,
-                num_cached_prompt_tokens=req.num_cached_prompt_tokens,
+                num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+                time=now,
             )
             if stream is not None:
                 out.new_text = stream.release(req.finished)

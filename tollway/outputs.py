@@ -17,3 +17,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_prompt_tokens: int = 0
+    # monotonic seconds: when the request arrived, was first scheduled, got its first token,
+    # and when this output was made
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time: float = 0.0

@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a one-line message for any bad value."""
@@ -31,6 +32,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be between 0 and 20, got {self.logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
         ]
         if vocab_size is not None:
             checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size})"))

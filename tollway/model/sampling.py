@@ -10,6 +10,11 @@ from tollway.scheduler.plan import SampledToken, ScheduledSeq
 def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator) -> list[list[SampledToken]]:
     """logits: [rows, V] float32, seq i owning the next seq.num_logit_rows rows (1, or 1 + k
     when verifying k drafts). Per seq: the drafts it keeps, then the token sampled after them."""
+    row = 0
+    for seq in seqs:
+        if seq.banned_token_ids:  # min_tokens not reached: EOS and stop ids are off the table
+            logits[row:row + seq.num_logit_rows, list(seq.banned_token_ids)] = float("-inf")
+        row += seq.num_logit_rows
     # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows).
     argmax = logits.argmax(dim=-1).tolist()
     out = []

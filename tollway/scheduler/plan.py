@@ -23,6 +23,7 @@ class ScheduledSeq:
     sample: bool
     params: SamplingParams
     num_draft: int = 0
+    banned_token_ids: tuple[int, ...] = ()  # not to be sampled this step (min_tokens not reached)
 
     @property
     def drafts(self) -> tuple[int, ...]:

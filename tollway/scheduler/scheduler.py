@@ -55,15 +55,18 @@ class _Step:
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
 
+    def kernel(self, shape: StepShape) -> str:
+        return self.sched.kernel_for(shape, self.headroom)
+
     def predict(self, shape: StepShape) -> float:
         model = self.sched.step_model
-        return model.predict(shape.with_kernel(self.sched.config.kernel_for(shape.tokens))) if model else 0.0
+        return model.predict(shape.with_kernel(self.kernel(shape))) if model else 0.0
 
     def budget(self) -> float | None:
         """The target in predicted seconds for this step's kernel: what the plan was fitted to."""
         if self.seconds is None:
             return None
-        return self.seconds / self.headroom.get(self.sched.config.kernel_for(self.shape.tokens), 1.0)
+        return self.seconds / self.headroom.get(self.kernel(self.shape), 1.0)
 
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
@@ -87,7 +90,7 @@ class _Step:
 
     def _fits(self, start: int, n: int, sample: bool) -> bool:
         shape = self.shape.plus(start, n, sample)
-        return self.predict(shape) * self.headroom.get(self.sched.config.kernel_for(shape.tokens), 1.0) <= self.seconds
+        return self.predict(shape) * self.headroom.get(self.kernel(shape), 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
@@ -192,6 +195,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def kernel_for(self, shape: StepShape, headroom: dict[str, float] | None = None) -> str:
+        """The linear-layer kernel a step of this shape runs with. With kernel="auto" and a step
+        model, the loaded kernel predicted fastest (stretched by `headroom` when shaping to a
+        target), so adding work never makes a step look faster; else the measured crossover."""
+        config, model = self.config, self.step_model
+        if config.kernel != "auto" or model is None:
+            return config.kernel_for(shape.tokens)
+        known = [k for k in sorted(config.kernels_to_load()) if k in model.coefficients]
+        if not known:
+            return config.kernel_for(shape.tokens)
+        headroom = headroom or {}
+        return min(known, key=lambda k: model.predict(shape.with_kernel(k)) * headroom.get(k, 1.0))
+
     def held_blocks(self, tier: str) -> int:
         return self._held[tier]
 
@@ -216,7 +232,7 @@ class Scheduler:
             # and thrash; vLLM makes the same call. Fast is the exception: it preempts to get in.
             elif kind == "admit fast" or not preempted:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
-        kernel = self.config.kernel_for(step.shape.tokens)
+        kernel = step.kernel(step.shape)
         predicted = step.predict(step.shape) if self.step_model and step.seqs else None
         return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget())
 
@@ -270,14 +286,15 @@ class Scheduler:
 
     def _time_target(self) -> tuple[float, float] | None:
         """(seconds, quantile) the step must meet: the fast target while fast work is about,
-        planned at the p97 overrun so that at least 95% of measured steps meet it; else
-        standard's p99 SLO."""
+        planned at the p95 overrun, else standard's SLO at the p90 overrun. Rarer overruns are
+        this machine's hiccups (steps taking 2-3x for reasons outside the plan); planning for
+        them would shrink every step and could not prevent them."""
         if self.policy != "lanes" or self.step_model is None:
             return None
         if self.waiting["fast"] or self._num_running["fast"]:
-            target, quantile = self.tiers["fast"].tpot_target, 0.97
+            target, quantile = self.tiers["fast"].tpot_target, 0.95
         else:
-            target, quantile = self.tiers["standard"].tpot_target, 0.99
+            target, quantile = self.tiers["standard"].tpot_target, 0.9
         return (target, quantile) if target else None
 
     def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
@@ -353,7 +370,7 @@ class Scheduler:
         for r in self.running.values():
             shape = shape.plus(r.num_tokens, 1, True)
         shape = shape.plus(request.num_tokens, 1, True)
-        return self.step_model.predict(shape.with_kernel(self.config.kernel_for(shape.tokens))) <= slo
+        return self.step_model.predict(shape.with_kernel(self.kernel_for(shape))) <= slo
 
     def _fast_fits_to_the_end(self, request: Request) -> bool:
         """Fast is never preempted, so fast requests never compete for KV among themselves: one
@@ -435,7 +452,15 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             params=request.params,
             num_draft=len(drafts),
+            banned_token_ids=self._banned(request),
         )
+
+    def _banned(self, request: Request) -> tuple[int, ...]:
+        params = request.params
+        if len(request.output_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else request.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))

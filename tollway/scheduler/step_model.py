@@ -137,11 +137,11 @@ class StepTimeModel:
 
     def headroom(self, kernel: str, quantile: float, near: float | None = None, min_steps: int = 20) -> float:
         """How much longer than predicted a step with this kernel runs, at this quantile of
-        recent steps (>= 1); of steps predicted within 2x of `near` when there are enough, since
+        recent steps (>= 1); of steps predicted near `near` (0.5x to 1.5x) when there are enough, since
         small and large steps miss by different amounts. Planning to target / headroom meets
         the target in about that fraction of steps."""
         overruns = self._overruns.get(kernel, ())
-        ratios = [r for p, r in overruns if near is None or near / 2 <= p <= near * 2]
+        ratios = [r for p, r in overruns if near is None or near / 2 <= p <= near * 1.5]
         if len(ratios) < min_steps:
             ratios = [r for _, r in overruns]
         if len(ratios) < min_steps:

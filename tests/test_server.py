@@ -1,0 +1,226 @@
+"""A real server on a loopback port, driven by the official openai client and by raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tollway.async_engine import AsyncEngine
+from tollway.request import SamplingParams
+from tollway.server.app import create_app
+from tollway.server.metrics import Metrics
+
+MODEL = "gemma3-270m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(make_engine):
+    engine = make_engine(kernel="int8")
+    metrics = Metrics(MODEL)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, metrics), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "engine": async_engine, "sync": engine}
+    uv.should_exit = True
+    thread.join(10)
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+
+
+def _direct(server, prompt, **params):
+    """The same request straight through the engine, for comparison."""
+    async def run():
+        out = None
+        async for out in server["engine"].generate(prompt, SamplingParams(**params)):
+            pass
+        return out
+    return asyncio.run(run())
+
+
+def test_completion_matches_the_engine(server, client):
+    resp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    direct = _direct(server, "The capital of France is", max_tokens=8, temperature=0)
+    assert resp.choices[0].text == direct.text and resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 8 and resp.usage.prompt_tokens == len(direct.prompt_token_ids)
+    assert resp.service_tier == "default" and resp.model == MODEL and resp.object == "text_completion"
+
+
+def test_streamed_completion_adds_up_and_reports_usage(client):
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.service_tier == "default" for c in chunks)
+
+
+def test_chat_streams_and_not(client):
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].object == "chat.completion.chunk"
+
+
+@pytest.mark.parametrize("wire, served", [("priority", "priority"), ("fast", "priority"), ("flex", "flex"),
+                                          ("auto", "default"), ("default", "default")])
+def test_service_tier_picks_the_lane_and_is_reported(server, client, wire, served):
+    messages = [{"role": "user", "content": "Hi"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                          service_tier=wire)
+    assert resp.service_tier == served
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                                 service_tier=wire, stream=True))
+    assert chunks[-1].service_tier == served
+    # The legacy completions call has no service_tier argument in the client; the field still works.
+    legacy = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"service_tier": wire})
+    assert legacy.service_tier == served
+
+
+def test_n_choices_seeds_and_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt="Colors:", max_tokens=6, n=3, seed=5, temperature=1.0,
+                                     logprobs=2)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    again = client.completions.create(model=MODEL, prompt="Colors:", max_tokens=6, n=3, seed=5, temperature=1.0)
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top token
+
+
+def test_models_and_health(server):
+    models = httpx.get(server["url"] + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "hi " * 20000, "max_tokens": 1}, 400, "prompt"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ({"prompt": "hi", "service_tier": "gold"}, 400, "service_tier"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server["url"] + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_chat_without_messages_is_a_400(server):
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    engine = server["engine"]
+    pool = lambda: engine.run(lambda e: (e.scheduler.pool.num_free, e.scheduler.num_running,  # noqa: E731
+                                          e.scheduler.num_waiting)).result(10)
+    before = pool()
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"Story number {i}:", "max_tokens": 200, "temperature": 0, "stream": True}
+        async with client.stream("POST", server["url"] + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # the first chunk came: hang up mid-stream
+
+    async def all_of_them() -> None:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as client:
+            await asyncio.gather(*(one(client, i) for i in range(100)))
+
+    asyncio.run(all_of_them())
+    deadline = time.time() + 30
+    while pool()[1:] != (0, 0):
+        assert time.time() < deadline, f"requests still running after disconnect: {pool()}"
+        time.sleep(0.1)
+    assert pool() == before
+
+
+def test_min_tokens_and_ignore_eos(server, client):
+    prompt = "Water boils at a temperature of"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    first_id = _direct(server, prompt, max_tokens=1, temperature=0).token_ids[0]
+    # Its own first token as a stop token id: the reply stops at once ...
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"stop_token_ids": [first_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    # ... unless min_tokens holds it off: that token cannot be sampled before 5 are out.
+    held = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [first_id], "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5 and held.choices[0].text != greedy.choices[0].text
+    forced = client.completions.create(model=MODEL, prompt="Hi", max_tokens=20, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 20
+
+
+def test_the_readme_client_example_runs(server, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Use it from the openai client", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    exec(compile(code.replace("http://127.0.0.1:8000/v1", server["url"] + "/v1"), "README", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "priority" in printed and len(printed) > 20
+
+
+def test_metrics_parse_and_show_each_tier(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for tier in ("priority", "default"):
+        client.completions.create(model=MODEL, prompt="Count: one two", max_tokens=4, temperature=0,
+                                  extra_body={"service_tier": tier})
+    text = httpx.get(server["url"] + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ttft = {s.labels["tier"]: s.value for s in families["tollway:time_to_first_token_seconds"].samples
+            if s.name.endswith("_count")}
+    assert ttft["fast"] >= 1 and ttft["standard"] >= 1
+    gen = {s.labels["tier"]: s.value for s in families["tollway:generation_tokens"].samples if s.name.endswith("_total")}
+    assert gen["fast"] >= 4 and gen["standard"] >= 4
+    waiting = {s.labels["tier"] for s in families["tollway:num_requests_waiting"].samples}
+    assert waiting == {"fast", "standard", "batch"}
+    steps = [s for s in families["tollway:step_seconds"].samples if s.name.endswith("_count")]
+    assert steps[0].value >= 8

@@ -1,0 +1,143 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics.
+
+Handlers only translate: requests become engine requests through the AsyncEngine, outputs
+become OpenAI responses or SSE chunks. A streaming client that goes away cancels its
+response, which aborts its engine requests and frees their KV blocks at once.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tollway.async_engine import AsyncEngine
+from tollway.server import errors
+from tollway.server.errors import APIError
+from tollway.server.generation import (
+    Generation, completion_logprobs, sampling_params, token_entry, token_prompts,
+)
+from tollway.server.metrics import Metrics
+from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
+from tollway.server.service_tier import tier_for
+
+
+def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None) -> FastAPI:
+    """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at /metrics."""
+    app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes")
+    errors.install(app)
+    tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.config.scheduler.max_model_len
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            raise APIError(503, "the engine has stopped")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are off")
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "tollway", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await _serve(req, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await _serve(req, "chat")
+
+    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str):
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
+                           param="model", code="model_not_found")
+        gen = Generation(kind, model_name, tier_for(req.service_tier))
+        prompts = token_prompts(req, tokenizer)
+        longest = max(len(p) for p in prompts)
+        if longest == 0:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if longest >= max_model_len:
+            raise APIError(400, f"prompt is {longest} tokens, but the context is {max_model_len}",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        asked = (req.max_completion_tokens or req.max_tokens) if kind == "chat" else req.max_tokens
+        max_tokens = asked or (max_model_len - longest if kind == "chat" else 16)
+        if longest + max_tokens > max_model_len:
+            raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
+                                f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
+        logprobs = (req.top_logprobs or 0 if req.logprobs else None) if kind == "chat" else req.logprobs
+        params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+        await gen.start(engine, prompts, params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(gen, include_usage, echo=kind == "completion" and req.echo),
+                                     media_type="text/event-stream")
+        try:
+            async for choice, out in gen.updates():
+                _absorb(choice, out)
+        finally:
+            gen.abort()
+        return JSONResponse(gen.envelope([_final_choice(gen, c, kind == "completion" and req.echo) for c in gen.choices],
+                                         usage=gen.usage()))
+
+    def _absorb(choice, out) -> tuple[str, list[dict]]:
+        """Fold an output into its choice; returns the new text and new logprob entries."""
+        new_logprobs = out.logprobs[len(choice.logprobs):]
+        choice.text, choice.token_ids, choice.logprobs = out.text, list(out.token_ids), list(out.logprobs)
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+        return out.new_text, new_logprobs
+
+    def _final_choice(gen: Generation, c, echo: bool) -> dict:
+        if gen.kind == "chat":
+            lp = {"content": [token_entry(tokenizer, e) for e in c.logprobs]} if c.logprobs else None
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        prefix = tokenizer.decode(c.prompt_ids) if echo else ""
+        lp = completion_logprobs(tokenizer, c.logprobs, len(prefix)) if c.logprobs else None
+        return {"index": c.index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    async def _sse(gen: Generation, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+        started = set()
+        try:
+            async for choice, out in gen.updates():
+                text, new_logprobs = _absorb(choice, out)
+                if gen.kind == "chat":
+                    delta = {"content": text}
+                    if choice.index not in started:
+                        delta["role"] = "assistant"
+                    lp = {"content": [token_entry(tokenizer, e) for e in new_logprobs]} if new_logprobs else None
+                    body = {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+                else:
+                    if echo and choice.index not in started:
+                        text = tokenizer.decode(choice.prompt_ids) + text
+                    offset = len(choice.text) - len(out.new_text)
+                    lp = completion_logprobs(tokenizer, new_logprobs, offset) if new_logprobs else None
+                    body = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": choice.finish_reason}
+                started.add(choice.index)
+                extra = {"usage": None} if include_usage else {}
+                yield _event(gen.envelope([body], chunk=True, **extra))
+            if include_usage:
+                yield _event(gen.envelope([], chunk=True, usage=gen.usage()))
+        except APIError as e:  # too late for a status code: the error goes in the stream
+            yield _event(errors.error_body(e.status, e.message, e.param, e.code))
+        except Exception as e:  # noqa: BLE001 -- the engine died under this stream
+            yield _event(errors.error_body(500, f"internal error: {type(e).__name__}"))
+        finally:
+            gen.abort()
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

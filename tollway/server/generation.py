@@ -1,0 +1,169 @@
+"""From an OpenAI request to engine requests and back: SamplingParams, the n choices of each
+prompt merged into one stream, and the completion / chat response and chunk shapes."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tollway.async_engine import AsyncEngine, RequestStream
+from tollway.model.tokenizer import Tokenizer
+from tollway.outputs import RequestOutput
+from tollway.request import SamplingParams
+from tollway.scheduler.scheduler import QueueFullError
+from tollway.server.errors import APIError
+from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tollway.server.service_tier import WIRE_NAME, tier_for
+
+
+@dataclass
+class Choice:
+    """One choice being generated: what has been sent of it so far."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One API call: every prompt times n choices, each an engine request in `tier`."""
+
+    def __init__(self, kind: str, model: str, tier: str):
+        self.kind = kind  # "completion" | "chat"
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model = model
+        self.tier = tier
+        self.prompts: list[list[int]] = []
+        self.choices: list[Choice] = []
+        self.streams: list[RequestStream] = []
+        self._pumps: list[asyncio.Task] = []
+
+    async def start(self, engine: AsyncEngine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Submit every choice; if any is refused, withdraw the others and raise."""
+        self.prompts = prompts
+        try:
+            for p, prompt in enumerate(prompts):
+                for i, sp in enumerate(params):
+                    index = p * len(params) + i
+                    self.choices.append(Choice(index, prompt))
+                    self.streams.append(await engine.add(prompt, sp, self.tier, f"{self.id}-{index}"))
+        except QueueFullError as e:
+            self.abort()
+            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except ValueError as e:
+            self.abort()
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    def abort(self) -> None:
+        """Withdraw every choice still running (a no-op for finished ones)."""
+        for task in self._pumps:
+            task.cancel()
+        for stream in self.streams:
+            stream.abort()
+
+    async def updates(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every choice's outputs as they come, interleaved. Abandoning it aborts them all."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await merged.put((choice, out))
+            except Exception as e:  # noqa: BLE001 -- surfaced to the reader below
+                await merged.put((choice, e))
+
+        self._pumps = [asyncio.create_task(pump(c, s)) for c, s in zip(self.choices, self.streams)]
+        try:
+            remaining = len(self._pumps)
+            while remaining:
+                choice, out = await merged.get()
+                if isinstance(out, Exception):
+                    raise out
+                remaining -= out.finished
+                yield choice, out
+        finally:
+            self.abort()
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)  # once per prompt, however many choices
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self._object(extra.pop("chunk", False)), "created": self.created,
+                "model": self.model, "choices": choices, "service_tier": WIRE_NAME[self.tier], **extra}
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+        # n > 1 with a seed: each choice its own reproducible stream
+        seed=None if req.seed is None else req.seed + n_index, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        min_tokens=req.min_tokens,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+    return params
+
+
+def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    if isinstance(req, ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:  # OpenAI's content parts: keep the text ones
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return [tokenizer.encode(text, add_special_tokens=False)]
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def token_entry(tokenizer: Tokenizer, entry: dict) -> dict:
+    """One generated token's logprobs in the chat shape (token, logprob, bytes, top_logprobs)."""
+    def piece(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    text = piece(entry["token_id"])
+    out = {"token": text, "logprob": entry["logprob"], "bytes": list(text.encode())}
+    top = entry.get("top_logprobs") or {}
+    out["top_logprobs"] = [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in top.items()]
+    return out
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[dict], offset: int) -> dict:
+    """The legacy completions shape: parallel lists, text offsets from `offset`."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        e = token_entry(tokenizer, entry)
+        tokens.append(e["token"])
+        token_logprobs.append(e["logprob"])
+        top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

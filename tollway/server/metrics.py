@@ -1,0 +1,113 @@
+"""Prometheus metrics, named after vLLM's (vllm:* -> tollway:*) with a `tier` label wherever a
+request is involved, so each lane's latency and load can be read apart.
+
+Fed from the engine thread after every step (AsyncEngine's on_step hook): the plan, its
+measured time and the outputs it produced. Scraping reads the registry from the event loop;
+prometheus_client's metrics are thread-safe.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tollway.config import TIERS
+
+_LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, tier = self.registry, ["model_name", "tier"]
+        self.model = model_name
+        self.ttft = Histogram("tollway:time_to_first_token_seconds", "Time to first token.", tier,
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("tollway:inter_token_latency_seconds", "Time between generated tokens.", tier,
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("tollway:e2e_request_latency_seconds", "Arrival to finish.", tier,
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("tollway:request_queue_time_seconds", "Arrival to first scheduled.", tier,
+                               buckets=_LATENCY, registry=r)
+        self.running = Gauge("tollway:num_requests_running", "Requests with KV in the cache.", tier, registry=r)
+        self.waiting = Gauge("tollway:num_requests_waiting", "Requests queued (incl. preempted).", tier, registry=r)
+        self.prompt_tokens = Counter("tollway:prompt_tokens", "Prompt tokens of finished requests.", tier, registry=r)
+        self.generation_tokens = Counter("tollway:generation_tokens", "Generated tokens.", tier, registry=r)
+        self.finished = Counter("tollway:request_success", "Finished requests.", tier + ["finished_reason"], registry=r)
+        self.preemptions = Counter("tollway:num_preemptions", "Requests preempted (by recompute).", tier, registry=r)
+        self.kv_usage = Gauge("tollway:kv_cache_usage_perc", "Share of KV blocks in use (0-1).", ["model_name"],
+                              registry=r)
+        self.prefix_queries = Counter("tollway:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      ["model_name"], registry=r)
+        self.prefix_hits = Counter("tollway:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   ["model_name"], registry=r)
+        self.step_seqs = Histogram("tollway:step_num_sequences", "Sequences per step.", ["model_name"],
+                                   buckets=_COUNTS, registry=r)
+        self.step_tokens = Histogram("tollway:step_num_tokens", "Tokens per step.", ["model_name"],
+                                     buckets=_COUNTS, registry=r)
+        self.step_seconds = Histogram("tollway:step_seconds", "Measured step time.", ["model_name"],
+                                      buckets=_STEP, registry=r)
+        self.step_predicted = Histogram("tollway:step_predicted_seconds", "The step model's forecast of each step.",
+                                        ["model_name"], buckets=_STEP, registry=r)
+        self.step_error = Histogram("tollway:step_prediction_error_seconds", "|measured - predicted| per step.",
+                                    ["model_name"], buckets=_STEP, registry=r)
+        self.drafts = Counter("tollway:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",
+                              ["model_name"], registry=r)
+        self.accepted = Counter("tollway:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                ["model_name"], registry=r)
+        for t in TIERS:  # every tier's series exists from the start, at zero
+            self.running.labels(model_name, t).set(0)
+            self.waiting.labels(model_name, t).set(0)
+        self._last_token: dict[str, float] = {}
+
+    def on_step(self, engine, plan, result, outputs) -> None:
+        """Called on the engine thread after a step that ran (plan has sequences)."""
+        m = self.model
+        sched = engine.scheduler
+        for t in TIERS:
+            self.running.labels(m, t).set(sched.running_in(t))
+            self.waiting.labels(m, t).set(len(sched.waiting[t]))
+        pool = sched.pool
+        self.kv_usage.labels(m).set(pool.num_used / pool.num_blocks)
+        self.step_seqs.labels(m).observe(len(plan.seqs))
+        self.step_tokens.labels(m).observe(plan.num_tokens)
+        self.step_seconds.labels(m).observe(result.seconds)
+        if plan.predicted_seconds is not None:
+            self.step_predicted.labels(m).observe(plan.predicted_seconds)
+            self.step_error.labels(m).observe(abs(result.seconds - plan.predicted_seconds))
+        drafts = sum(s.num_draft for s in plan.seqs)
+        if drafts:
+            self.drafts.labels(m).inc(drafts)
+            self.accepted.labels(m).inc(sum(max(0, len(result.tokens.get(s.request_id, [])) - 1)
+                                            for s in plan.seqs if s.num_draft))
+        for rid in plan.preempted:
+            request = sched.get(rid)
+            if request is not None:
+                self.preemptions.labels(m, request.tier).inc()
+        for out in outputs:
+            self._on_output(out)
+
+    def _on_output(self, out) -> None:
+        m, labels = self.model, (self.model, out.tier)
+        n = len(out.new_token_ids)
+        if n:
+            self.generation_tokens.labels(*labels).inc(n)
+            last = self._last_token.get(out.request_id)
+            if last is None:
+                self.ttft.labels(*labels).observe(out.first_token_time - out.arrival_time)
+                self.queue.labels(*labels).observe(out.first_scheduled_time - out.arrival_time)
+                self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
+                self.prefix_hits.labels(m).inc(out.num_cached_prompt_tokens)
+            else:
+                for _ in range(n):  # accepted drafts arrive together: they share the gap
+                    self.itl.labels(*labels).observe((out.time - last) / n)
+            self._last_token[out.request_id] = out.time
+        if out.finished:
+            self._last_token.pop(out.request_id, None)
+            if out.finish_reason != "abort":
+                self.e2e.labels(*labels).observe(out.time - out.arrival_time)
+                self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+                self.finished.labels(m, out.tier, out.finish_reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
