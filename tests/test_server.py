@@ -15,6 +15,8 @@ import uvicorn
 from tollway.async_engine import AsyncEngine
 from tollway.request import SamplingParams
 from tollway.server.app import create_app
+from tollway.config import KeySpec
+from tollway.server.keys import Gatekeeper, KeyDatabase
 from tollway.server.metrics import Metrics
 
 MODEL = "gemma3-270m"
@@ -26,14 +28,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(make_engine):
-    engine = make_engine(kernel="int8")
-    metrics = Metrics(MODEL)
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+def _running_server(engine, metrics=None, gatekeeper=None, batch_dir=None):
+    """uvicorn on a free loopback port in a thread; yields its details, then stops it."""
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
     port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL, metrics), host="127.0.0.1", port=port,
-                                       log_level="warning"))
+    app = create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -44,6 +44,11 @@ def server(make_engine):
     uv.should_exit = True
     thread.join(10)
     async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(make_engine, tmp_path_factory):
+    yield from _running_server(make_engine(kernel="int8"), Metrics(MODEL), batch_dir=tmp_path_factory.mktemp("batches"))
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +229,58 @@ def test_metrics_parse_and_show_each_tier(server, client):
     assert waiting == {"fast", "standard", "batch"}
     steps = [s for s in families["tollway:step_seconds"].samples if s.name.endswith("_count")]
     assert steps[0].value >= 8
+
+
+KEYS = [KeySpec("sk-all", "all"), KeySpec("sk-std", "std", tiers=["standard", "batch"]),
+        KeySpec("sk-slow", "slow", rpm=2)]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(make_engine, tmp_path_factory):
+    database = KeyDatabase(tmp_path_factory.mktemp("keys") / "keys.sqlite")
+    for details in _running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(KEYS, database)):
+        yield {**details, "database": database}
+
+
+def _post(server, key=None, **body):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server["url"] + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body},
+                      headers=headers)
+
+
+def test_keys_are_required_and_checked(keyed_server):
+    for key in (None, "sk-wrong"):
+        r = _post(keyed_server, key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(keyed_server["url"] + "/v1/models").status_code == 401
+    assert httpx.get(keyed_server["url"] + "/health").status_code == 200  # liveness needs no key
+    ok = openai.OpenAI(base_url=keyed_server["url"] + "/v1", api_key="sk-all")
+    assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_tiers_a_key_is_not_entitled_to_are_refused_except_auto(keyed_server):
+    r = _post(keyed_server, "sk-std", service_tier="priority")
+    assert r.status_code == 403 and "fast" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "service_tier"
+    r = _post(keyed_server, "sk-std", service_tier="auto")
+    assert r.status_code == 200 and r.json()["service_tier"] == "default"
+    assert _post(keyed_server, "sk-all", service_tier="priority").json()["service_tier"] == "priority"
+
+
+def test_rate_limit_is_a_429_with_retry_after(keyed_server):
+    assert [_post(keyed_server, "sk-slow").status_code for _ in range(2)] == [200, 200]
+    r = _post(keyed_server, "sk-slow")
+    assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 60
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert _post(keyed_server, "sk-all").status_code == 200  # other keys are unaffected
+
+
+def test_keys_from_the_database(keyed_server):
+    database = keyed_server["database"]
+    key = database.add("carol", ["batch"], rpm=None, tpm=None)
+    assert key.encode() not in database.path.read_bytes()  # only its hash is stored
+    r = _post(keyed_server, key, service_tier="flex")
+    assert r.status_code == 200 and r.json()["service_tier"] == "flex"
+    assert _post(keyed_server, key).status_code == 403  # standard is not among its tiers
+    database.revoke("carol")
+    assert _post(keyed_server, key).status_code == 401

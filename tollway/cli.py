@@ -1,10 +1,15 @@
-"""Command line: tollway serve (the OpenAI-compatible server) and tollway generate "prompt"."""
+"""Command line: tollway serve (the OpenAI-compatible server), tollway keys, tollway generate "prompt"."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from tollway.config import KERNELS, POLICIES, TIERS, EngineConfig, load_config
+from platformdirs import user_data_dir
+
+from tollway.config import (
+    KERNELS, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
+)
 from tollway.request import SamplingParams
 
 
@@ -23,11 +28,25 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tier", default="standard", choices=TIERS)
     add_engine_arguments(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="default 8000")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    serve.add_argument("--api-key", action="append", default=[], help="a key allowed every tier; repeat for more")
+    serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
+    serve.add_argument("--data-dir", help=f"Batch API files and jobs (default {user_data_dir('tollway')})")
     add_engine_arguments(serve)
+    keys = sub.add_parser("keys", help="manage API keys in the SQLite key store")
+    keys.add_argument("action", choices=("add", "list", "revoke"))
+    keys.add_argument("--name", help="who the key is for (add, revoke)")
+    keys.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers the key may use")
+    keys.add_argument("--rpm", type=int, help="requests per minute")
+    keys.add_argument("--tpm", type=int, help="tokens per minute")
+    keys.add_argument("--keys-db", help=f"default {default_keys_db()}")
     return parser
+
+
+def default_keys_db() -> Path:
+    return Path(user_data_dir("tollway")) / "keys.sqlite"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,19 +107,48 @@ def _serve(args) -> int:
     from tollway.async_engine import AsyncEngine
     from tollway.engine import Engine
     from tollway.server.app import create_app
+    from tollway.server.keys import Gatekeeper, KeyDatabase
     from tollway.server.metrics import Metrics
 
+    server = load_server_config(args.config) if args.config else ServerConfig()
+    for value, name in ((args.host, "host"), (args.port, "port"), (args.served_model_name, "served_model_name"),
+                        (args.keys_db, "keys_db"), (args.data_dir, "data_dir")):
+        if value is not None:
+            setattr(server, name, value)
+    server.keys += [KeySpec(key) for key in args.api_key]
+    gatekeeper = Gatekeeper(server.keys, KeyDatabase(server.keys_db or default_keys_db()))
     config = engine_config(args)
-    name = args.served_model_name or config.model
+    name = server.served_model_name or config.model
     metrics = Metrics(name)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
     try:
-        if not _is_loopback(args.host, ipaddress):
-            print(f"tollway: warning: serving {args.host} with no API keys: anyone who can reach it can use it",
+        if gatekeeper.open and not _is_loopback(server.host, ipaddress):
+            print(f"tollway: warning: serving {server.host} with no API keys: anyone who can reach it can use it",
                   file=sys.stderr)
-        uvicorn.run(create_app(engine, name, metrics), host=args.host, port=args.port, log_level="warning")
+        print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1", file=sys.stderr)
+        batch_dir = Path(server.data_dir or user_data_dir("tollway")) / "batches"
+        uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir), host=server.host, port=server.port,
+                    log_level="warning")
     finally:
         engine.shutdown()
+    return 0
+
+
+def _keys(args) -> int:
+    from tollway.server.keys import KeyDatabase
+
+    db = KeyDatabase(args.keys_db or default_keys_db())
+    if args.action == "list":
+        for k in db.list():
+            print(f"{k['name']}\ttiers={','.join(k['tiers'])}\trpm={k['rpm'] or '-'}\ttpm={k['tpm'] or '-'}")
+        return 0
+    if not args.name:
+        raise ValueError(f"keys {args.action} needs --name")
+    if args.action == "revoke":
+        if not db.revoke(args.name):
+            raise ValueError(f"no key named {args.name!r}")
+        return 0
+    print(db.add(args.name, [t.strip() for t in args.tiers.split(",") if t.strip()], args.rpm, args.tpm))
     return 0
 
 
@@ -116,7 +164,7 @@ def _is_loopback(host: str, ipaddress) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
+        return {"serve": _serve, "keys": _keys, "generate": _generate}[args.command](args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)
         return 2

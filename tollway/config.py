@@ -138,15 +138,44 @@ class EngineConfig:
     profile_steps: bool = True
 
 
+@dataclass
+class KeySpec:
+    """An API key: which tiers it may use and its per-minute limits (None: unlimited)."""
+
+    key: str
+    name: str = ""
+    tiers: list[str] = field(default_factory=lambda: list(TIERS))
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens per minute (prompt + max_tokens, counted when a request arrives)
+
+    def validate(self) -> None:
+        if not self.key:
+            raise ValueError("an API key cannot be empty")
+        unknown = [t for t in self.tiers if t not in TIERS]
+        if unknown or not self.tiers:
+            raise ValueError(f"key {self.name or '?'}: tiers must be some of {', '.join(TIERS)}, got {self.tiers!r}")
+        for limit in (self.rpm, self.tpm):
+            if limit is not None and limit < 1:
+                raise ValueError(f"key {self.name or '?'}: rpm and tpm must be >= 1")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    keys: list[KeySpec] = field(default_factory=list)
+    keys_db: str | None = None  # a SQLite file of further keys (`tollway keys add`)
+    data_dir: str | None = None  # Batch API files and jobs; None: under the user's data directory
+
+
 def load_config(path: str | Path) -> EngineConfig:
     """An EngineConfig from TOML: top-level engine fields, a [scheduler] table, and
-    [tiers.<name>] tables that override the defaults field by field."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read config {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config {path} is not valid TOML: {e}") from None
+    [tiers.<name>] tables that override the defaults field by field. ([server] and [[keys]]
+    are the server's: load_server_config.)"""
+    data = _read_toml(path)
+    data.pop("server", None)
+    data.pop("keys", None)
     sched = _table(data.pop("scheduler", {}), "[scheduler]", path)
     tiers = default_tiers()
     for name, fields in _table(data.pop("tiers", {}), "[tiers]", path).items():
@@ -159,6 +188,28 @@ def load_config(path: str | Path) -> EngineConfig:
     return config
 
 
+def load_server_config(path: str | Path) -> ServerConfig:
+    """The [server] table and [[keys]] entries of the same TOML file."""
+    data = _read_toml(path)
+    config = _replace(ServerConfig(), _table(data.get("server", {}), "[server]", path), "server", path)
+    keys = data.get("keys", [])
+    if not isinstance(keys, list):
+        raise ValueError(f"config {path}: keys must be an array of tables ([[keys]])")
+    config.keys = [_replace(KeySpec(key=""), _table(k, "[[keys]]", path), "keys", path) for k in keys]
+    for key in config.keys:
+        key.validate()
+    return config
+
+
+def _read_toml(path: str | Path) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path} is not valid TOML: {e}") from None
+
+
 def _table(value, where: str, path) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"config {path}: {where} must be a table")
@@ -166,13 +217,15 @@ def _table(value, where: str, path) -> dict:
 
 
 # TOML value types each annotation accepts (an int is fine where a float is wanted, a bool is not).
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
 
 
 def _replace(obj, fields: dict, section: str, path):
     where = f"[{section}]" if section else "top level"
-    known = {f.name: f.type for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
-    unknown = set(fields) - (set(known) - {"scheduler", "tiers", "name"})
+    known = {f.name: f.type for f in dataclasses.fields(obj)}
+    # Fields a table cannot set: tables of their own, or a tier's identity.
+    fixed = {EngineConfig: {"scheduler"}, SchedulerConfig: {"tiers"}, TierSpec: {"name"}, ServerConfig: {"keys"}}
+    unknown = set(fields) - (set(known) - fixed.get(type(obj), set()))
     if unknown:
         raise ValueError(f"config {path}: unknown key(s) {', '.join(sorted(unknown))} in {where}")
     for key, value in fields.items():

@@ -286,13 +286,14 @@ class Scheduler:
 
     def _time_target(self) -> tuple[float, float] | None:
         """(seconds, quantile) the step must meet: the fast target while fast work is about,
-        planned at the p95 overrun, else standard's SLO at the p90 overrun. Rarer overruns are
-        this machine's hiccups (steps taking 2-3x for reasons outside the plan); planning for
-        them would shrink every step and could not prevent them."""
+        planned at the p97 overrun so that 95% of measured steps meet it; else standard's SLO
+        at the p90 overrun. Rarer overruns are this machine's hiccups (steps taking 2-3x for
+        reasons outside the plan): planning for them would shrink every step and could not
+        prevent them."""
         if self.policy != "lanes" or self.step_model is None:
             return None
         if self.waiting["fast"] or self._num_running["fast"]:
-            target, quantile = self.tiers["fast"].tpot_target, 0.95
+            target, quantile = self.tiers["fast"].tpot_target, 0.97
         else:
             target, quantile = self.tiers["standard"].tpot_target, 0.9
         return (target, quantile) if target else None

@@ -9,26 +9,52 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from tollway.async_engine import AsyncEngine
+from tollway.config import KeySpec
 from tollway.server import errors
+from tollway.server.batch_api import batch_router
+from tollway.server.batch_runner import BatchRunner
+from tollway.server.batch_store import BatchStore
 from tollway.server.errors import APIError
 from tollway.server.generation import (
     Generation, completion_logprobs, sampling_params, token_entry, token_prompts,
 )
+from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.service_tier import tier_for
 
 
-def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None) -> FastAPI:
-    """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at /metrics."""
-    app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes")
+def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
+               gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | None = None) -> FastAPI:
+    """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
+    /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
+    `batch_dir` holds the Batch API's files and jobs (None: no Batch API)."""
+    runner: BatchRunner | None = None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if runner is not None:
+            runner.resume()  # jobs a previous server left unfinished
+        yield
+        if runner is not None:
+            await runner.shutdown()
+
+    app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes",
+                  lifespan=lifespan)
     errors.install(app)
+    gatekeeper = gatekeeper or Gatekeeper([])
+
+    def caller(authorization: str | None = Header(default=None)) -> KeySpec | None:
+        return gatekeeper.authenticate(authorization)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.config.scheduler.max_model_len
 
@@ -45,23 +71,34 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(_: KeySpec | None = Depends(caller)) -> dict:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "tollway", "max_model_len": max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await _serve(req, "completion")
+    async def completions(req: CompletionRequest, key: KeySpec | None = Depends(caller)):
+        return await _serve(req, "completion", key)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await _serve(req, "chat")
+    async def chat_completions(req: ChatCompletionRequest, key: KeySpec | None = Depends(caller)):
+        return await _serve(req, "chat", key)
 
-    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str):
+    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None):
+        tier = gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
+        gen = await _start(req, kind, tier, key)
+        echo = kind == "completion" and req.echo
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(gen, include_usage, echo), media_type="text/event-stream")
+        return JSONResponse(await _collect(gen, echo))
+
+    async def _start(req: CompletionRequest | ChatCompletionRequest, kind: str, tier: str,
+                     key: KeySpec | None) -> Generation:
+        """Check the request against the model and the key's limits, and submit its choices."""
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")
-        gen = Generation(kind, model_name, tier_for(req.service_tier))
+        gen = Generation(kind, model_name, tier)
         prompts = token_prompts(req, tokenizer)
         longest = max(len(p) for p in prompts)
         if longest == 0:
@@ -76,18 +113,39 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                                 f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0 if req.logprobs else None) if kind == "chat" else req.logprobs
         params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+        gatekeeper.admit(key, sum(len(p) for p in prompts) + max_tokens * req.n * len(prompts))
         await gen.start(engine, prompts, params)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(gen, include_usage, echo=kind == "completion" and req.echo),
-                                     media_type="text/event-stream")
+        return gen
+
+    async def _collect(gen: Generation, echo: bool) -> dict:
+        """Run the choices to the end: the non-streaming response body."""
         try:
             async for choice, out in gen.updates():
                 _absorb(choice, out)
         finally:
             gen.abort()
-        return JSONResponse(gen.envelope([_final_choice(gen, c, kind == "completion" and req.echo) for c in gen.choices],
-                                         usage=gen.usage()))
+        return gen.envelope([_final_choice(gen, c, echo) for c in gen.choices], usage=gen.usage())
+
+    async def complete_in_batch_lane(url: str, body: dict) -> dict:
+        """One Batch API line: what POST `url` with `body` would return, run in the batch lane."""
+        kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(url)
+        if kind is None:
+            raise APIError(400, f"unsupported url {url!r}; use /v1/chat/completions or /v1/completions", param="url")
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = model.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                           param=str(first["loc"][0]) if first["loc"] else None) from None
+        if req.stream:
+            raise APIError(400, "stream is not supported in a batch", param="stream")
+        return await _collect(await _start(req, kind, "batch", None), kind == "completion" and req.echo)
+
+    if batch_dir is not None:
+        store = BatchStore(batch_dir)
+        runner = BatchRunner(store, complete_in_batch_lane)
+        app.include_router(batch_router(store, runner, caller))
 
     def _absorb(choice, out) -> tuple[str, list[dict]]:
         """Fold an output into its choice; returns the new text and new logprob entries."""

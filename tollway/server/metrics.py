@@ -86,6 +86,8 @@ class Metrics:
                 self.preemptions.labels(m, request.tier).inc()
         for out in outputs:
             self._on_output(out)
+        for rid in [r for r in self._last_token if sched.get(r) is None]:  # aborted: no finished output comes
+            del self._last_token[rid]
 
     def _on_output(self, out) -> None:
         m, labels = self.model, (self.model, out.tier)

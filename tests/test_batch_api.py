@@ -1,0 +1,152 @@
+"""The Batch API through the official openai client, and a server killed mid-batch."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_server import MODEL, _free_port, server  # noqa: F401 -- the shared live server
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _chat_line(i: int, **body) -> dict:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 4,
+                     "temperature": 0, **body}}
+
+
+def _wait(client: openai.OpenAI, batch_id: str, until: tuple[str, ...], timeout: float = 240):
+    deadline = time.time() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until:
+            return batch
+        assert time.time() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def client(server):  # noqa: F811
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+
+
+def test_a_batch_runs_in_the_batch_lane_from_upload_to_output(client):
+    lines = [_chat_line(i) for i in range(6)] + [_chat_line(6, max_tokens=-1)]
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(_jsonl(lines))
+    assert client.files.content(uploaded.id).content == _jsonl(lines)
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "test"})
+    assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 7
+    done = _wait(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed" and done.metadata == {"job": "test"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 1)
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == [f"req-{i}" for i in range(6)]
+    for x in out:
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and x["error"] is None
+        assert body["service_tier"] == "flex" and body["usage"]["completion_tokens"] == 4
+    [err] = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "req-6" and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["param"] == "max_tokens"
+    assert batch.id in [b.id for b in client.batches.list().data]
+
+
+def test_bad_lines_fail_validation_with_their_line_numbers(client):
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n{not json\n' \
+           b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n' \
+           b'{"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {}}\n'
+    uploaded = client.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed"
+    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_json_line"), (3, "duplicate_custom_id"),
+                                                              (4, "mismatched_url")]
+
+
+def test_cancel_keeps_what_finished(client):
+    uploaded = client.files.create(file=("c.jsonl", io.BytesIO(_jsonl([_chat_line(i, max_tokens=30)
+                                                                         for i in range(40)]))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status == "cancelled"
+    finished = cancelled.request_counts.completed + cancelled.request_counts.failed
+    lines = client.files.content(cancelled.output_file_id).text.splitlines() if cancelled.output_file_id else []
+    assert len(lines) == finished < 40
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input_file_id": "file_nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, 404, "file_id"),
+    ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400, "endpoint"),
+    ({"input_file_id": "x", "endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400, "completion_window"),
+    ({"endpoint": "/v1/chat/completions"}, 400, "input_file_id"),
+])
+def test_bad_batch_requests(server, body, status, param):  # noqa: F811
+    r = httpx.post(server["url"] + "/v1/batches", json=body)
+    assert r.status_code == status and r.json()["error"]["param"] == param
+
+
+def test_upload_needs_purpose_batch(server):  # noqa: F811
+    r = httpx.post(server["url"] + "/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "fine-tune"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    assert httpx.get(server["url"] + "/v1/files/file_nope").status_code == 404
+
+
+def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tmp_path):
+    """SIGKILL while a batch runs, restart on the same data directory: every input line has
+    exactly one output line."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--data-dir", str(tmp_path),
+           "--kernel", "int8", "--keys-db", str(tmp_path / "keys.sqlite")]
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.5)
+
+    n = 24
+    proc = start()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        # Lengths differ, so lines finish one after another and the kill lands mid-batch.
+        lines = [_chat_line(i, max_tokens=4 + 4 * i) for i in range(n)]
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.time() + 240
+        while client.batches.retrieve(batch.id).request_counts.completed < 3:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc = start()
+        assert client.batches.retrieve(batch.id).request_counts.completed < n  # it really was mid-batch
+        done = _wait(client, batch.id, ("completed",))
+        ids = [json.loads(x)["custom_id"] for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(n)) and len(ids) == len(set(ids)) == n
+        assert done.request_counts.completed == n and done.request_counts.failed == 0
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -1,0 +1,173 @@
+"""OpenAI's Files and Batches endpoints, the batch lane's front door:
+/v1/files (upload with purpose=batch, list, retrieve, content, delete) and
+/v1/batches (create, retrieve, list, cancel)."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from tollway.config import KeySpec
+from tollway.server.batch_runner import BatchRunner
+from tollway.server.batch_store import BatchStore, new_id
+from tollway.server.errors import APIError
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+MAX_FILE_BYTES = 100 * 2**20
+MAX_LINES = 50_000  # as OpenAI
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> APIRouter:
+    router = APIRouter()
+
+    def batch_key(key: KeySpec | None = Depends(caller)) -> KeySpec | None:
+        if key is not None and "batch" not in key.tiers:
+            raise APIError(403, "this API key may not use the batch lane", code="tier_not_allowed")
+        return key
+
+    @router.post("/v1/files")
+    async def upload(file: UploadFile = File(...), purpose: str = Form(...), _=Depends(batch_key)) -> dict:
+        if purpose != "batch":
+            raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
+        data = await file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise APIError(413, f"files are limited to {MAX_FILE_BYTES // 2**20} MiB", param="file")
+        return store.add_file(file.filename or "upload.jsonl", purpose, data)
+
+    @router.get("/v1/files")
+    async def list_files(purpose: str | None = None, _=Depends(batch_key)) -> dict:
+        return {"object": "list", "data": store.files(purpose)}
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, _=Depends(batch_key)) -> dict:
+        return _file(store, file_id)
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, _=Depends(batch_key)) -> Response:
+        _file(store, file_id)
+        return Response(store.file_content(file_id), media_type="application/jsonl")
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, _=Depends(batch_key)) -> dict:
+        _file(store, file_id)
+        store.delete_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @router.post("/v1/batches")
+    async def create(req: BatchCreate, _=Depends(batch_key)) -> dict:
+        if req.endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+        if req.completion_window != "24h":
+            raise APIError(400, "completion_window must be '24h'", param="completion_window")
+        _file(store, req.input_file_id)
+        lines, errors = _parse_lines(store.file_content(req.input_file_id), req.endpoint)
+        now = int(time.time())
+        batch = {
+            "id": new_id("batch"), "object": "batch", "endpoint": req.endpoint, "errors": None,
+            "input_file_id": req.input_file_id, "completion_window": "24h", "status": "validating",
+            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+            "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": req.metadata,
+        }
+        if errors:  # as OpenAI: the batch exists, and failed validation with these errors
+            batch.update(status="failed", failed_at=now, errors={"object": "list", "data": errors[:100]})
+            batch["request_counts"]["total"] = 0
+            return store.create_batch(batch, [])
+        store.create_batch(batch, lines)
+        runner.start(batch["id"])
+        return store.batch(batch["id"])
+
+    @router.get("/v1/batches")
+    async def list_batches(limit: int = 20, after: str | None = None, _=Depends(batch_key)) -> dict:
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be between 1 and 100", param="limit")
+        batches = store.batches()
+        if after is not None:
+            ids = [b["id"] for b in batches]
+            batches = batches[ids.index(after) + 1:] if after in ids else []
+        page = batches[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, _=Depends(batch_key)) -> dict:
+        return _batch(store, batch_id)
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str, _=Depends(batch_key)) -> dict:
+        batch = _batch(store, batch_id)
+        if batch["status"] not in ("validating", "in_progress"):
+            raise APIError(409, f"cannot cancel a batch that is {batch['status']}")
+        return await runner.cancel(batch_id)
+
+    return router
+
+
+def _file(store: BatchStore, file_id: str) -> dict:
+    found = store.file(file_id)
+    if found is None:
+        raise APIError(404, f"no file with id {file_id!r}", param="file_id")
+    return found
+
+
+def _batch(store: BatchStore, batch_id: str) -> dict:
+    found = store.batch(batch_id)
+    if found is None:
+        raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id")
+    return found
+
+
+def _parse_lines(data: bytes, endpoint: str) -> tuple[list[tuple[str, str, dict]], list[dict]]:
+    """OpenAI's input lines, {custom_id, method, url, body}; the problems, one per bad line."""
+    lines, errors, seen = [], [], set()
+
+    def bad(n: int, code: str, message: str) -> None:
+        errors.append({"code": code, "message": message, "param": None, "line": n})
+
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return [], [{"code": "invalid_file", "message": "the file is not UTF-8 text", "param": None, "line": None}]
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as e:
+            bad(n, "invalid_json_line", f"line {n} is not valid JSON: {e.msg}")
+            continue
+        if not isinstance(item, dict):
+            bad(n, "invalid_request", f"line {n} must be a JSON object")
+            continue
+        custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
+        if not isinstance(custom_id, str) or not custom_id:
+            bad(n, "missing_required_parameter", f"line {n} needs a custom_id string")
+        elif custom_id in seen:
+            bad(n, "duplicate_custom_id", f"line {n}: custom_id {custom_id!r} is used more than once")
+        elif item.get("method", "POST") != "POST":
+            bad(n, "invalid_method", f"line {n}: method must be POST")
+        elif url != endpoint:
+            bad(n, "mismatched_url", f"line {n}: url {url!r} is not the batch's endpoint {endpoint}")
+        elif not isinstance(body, dict):
+            bad(n, "invalid_request", f"line {n} needs a body object")
+        else:
+            seen.add(custom_id)
+            lines.append((custom_id, url, body))
+    if not lines and not errors:
+        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None})
+    if len(lines) > MAX_LINES:
+        errors.append({"code": "too_many_requests", "message": f"at most {MAX_LINES} requests per batch",
+                       "param": None, "line": None})
+    return lines, errors

@@ -1,0 +1,149 @@
+"""API keys: who may call, in which lanes, and how much per minute.
+
+Keys come from the config file's [[keys]] and from a SQLite store that `tollway keys` manages
+(the store keeps only a SHA-256 of each key). With no keys anywhere the server is open, as
+vLLM is without --api-key. Limits are sliding 60-second windows per key: requests, and
+tokens counted as prompt + max_tokens when a request arrives (as OpenAI counts them).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from tollway.config import TIERS, KeySpec
+from tollway.server.errors import APIError
+
+WINDOW = 60.0
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS keys (
+    sha256 TEXT PRIMARY KEY, name TEXT NOT NULL, tiers TEXT NOT NULL, rpm INTEGER, tpm INTEGER,
+    created REAL NOT NULL)"""
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyDatabase:
+    """The SQLite store of keys (`tollway keys add/list/revoke`)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.execute(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=10)
+
+    def add(self, name: str, tiers: list[str], rpm: int | None, tpm: int | None) -> str:
+        """A new key, returned once; only its hash is stored."""
+        key = "sk-tw-" + secrets.token_urlsafe(24)
+        KeySpec(key, name, tiers, rpm, tpm).validate()
+        with self._connect() as db:
+            db.execute("INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?)",
+                       (_digest(key), name, json.dumps(tiers), rpm, tpm, time.time()))
+        return key
+
+    def revoke(self, name: str) -> int:
+        with self._connect() as db:
+            return db.execute("DELETE FROM keys WHERE name = ?", (name,)).rowcount
+
+    def list(self) -> list[dict]:
+        with self._connect() as db:
+            rows = db.execute("SELECT name, tiers, rpm, tpm, created FROM keys ORDER BY created").fetchall()
+        return [{"name": n, "tiers": json.loads(t), "rpm": rpm, "tpm": tpm, "created": c} for n, t, rpm, tpm, c in rows]
+
+    def lookup(self, key: str) -> KeySpec | None:
+        with self._connect() as db:
+            row = db.execute("SELECT name, tiers, rpm, tpm FROM keys WHERE sha256 = ?", (_digest(key),)).fetchone()
+        return KeySpec(key, row[0], json.loads(row[1]), row[2], row[3]) if row else None
+
+    def count(self) -> int:
+        with self._connect() as db:
+            return db.execute("SELECT COUNT(*) FROM keys").fetchone()[0]
+
+
+class Gatekeeper:
+    """Authenticates a request's key, picks the tier it may have, and applies its limits."""
+
+    def __init__(self, keys: list[KeySpec], database: KeyDatabase | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._keys = {k.key: k for k in keys}
+        self.database = database
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._requests: dict[str, deque[float]] = {}
+        self._tokens: dict[str, deque[tuple[float, int]]] = {}
+
+    @property
+    def open(self) -> bool:
+        """No keys configured anywhere: every request is let in."""
+        return not self._keys and (self.database is None or self.database.count() == 0)
+
+    def authenticate(self, authorization: str | None) -> KeySpec | None:
+        """The caller's key, or None when the server is open; 401 otherwise."""
+        if self.open:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        key = self._keys.get(token) or (self.database.lookup(token) if self.database else None)
+        if key is None:
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return key
+
+    @staticmethod
+    def entitled_tier(key: KeySpec | None, tier: str, wire: str | None) -> str:
+        """The tier to serve: the asked one if the key may use it; `auto` falls back to standard."""
+        if key is None or tier in key.tiers:
+            return tier
+        if wire == "auto" and "standard" in key.tiers:
+            return "standard"
+        allowed = ", ".join(t for t in TIERS if t in key.tiers)
+        raise APIError(403, f"this API key may not use the {tier} lane (service_tier={wire!r}); it may use: {allowed}",
+                       param="service_tier", code="tier_not_allowed")
+
+    def admit(self, key: KeySpec | None, tokens: int) -> None:
+        """Count a request of `tokens` against the key's limits, or refuse it with 429."""
+        if key is None or (key.rpm is None and key.tpm is None):
+            return
+        now = self.clock()
+        with self._lock:
+            requests = self._requests.setdefault(key.key, deque())
+            used = self._tokens.setdefault(key.key, deque())
+            while requests and requests[0] <= now - WINDOW:
+                requests.popleft()
+            while used and used[0][0] <= now - WINDOW:
+                used.popleft()
+            if key.rpm is not None and len(requests) >= key.rpm:
+                self._refuse("requests", key.rpm, requests[0] + WINDOW - now)
+            if key.tpm is not None and sum(n for _, n in used) + tokens > key.tpm:
+                if tokens > key.tpm:
+                    raise APIError(429, f"this request needs {tokens} tokens, more than the key's {key.tpm} per minute",
+                                   code="rate_limit_exceeded")
+                self._refuse("tokens", key.tpm, self._tokens_free_at(used, tokens, key.tpm) - now)
+            requests.append(now)
+            used.append((now, tokens))
+
+    @staticmethod
+    def _tokens_free_at(used: deque, tokens: int, limit: int) -> float:
+        total = sum(n for _, n in used)
+        for t, n in used:  # oldest first: when enough has aged out of the window
+            total -= n
+            if total + tokens <= limit:
+                return t + WINDOW
+        return used[-1][0] + WINDOW
+
+    @staticmethod
+    def _refuse(what: str, limit: int, wait: float) -> None:
+        seconds = max(1, int(wait + 0.999))
+        raise APIError(429, f"rate limit reached: {limit} {what} per minute; retry in {seconds} s",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
