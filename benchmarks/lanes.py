@@ -152,7 +152,7 @@ class LoadRun:
 def shaping(run: dict, target: float) -> dict:
     """How the steps that carried fast decodes (the steps a fast TPOT is made of) used the fast
     target's time. A plan is fitted to its budget: the target in predicted seconds, i.e. shrunk
-    by the step model's recent p95 overrun, so that measured steps meet the target."""
+    by the step model's recent p97 overrun, so that measured steps meet the target."""
     fast_steps = [x for x in run["steps"] if x["in_window"] and x["fast_decodes"]]
     crowded = [x for x in fast_steps if x["standard_waiting"] and x["budget"] is not None]
 
@@ -364,7 +364,7 @@ def markdown(r: dict, raw: str, png: str) -> str:
         f"{f(s['fast_ttft_p99_over_idle'])}× idle (≤ 2); of {sh['crowded_steps']} fast steps with standard work waiting, "
         f"{f(s['planned_fill_at_least_90pct'], '.0%')} were planned to ≥ 90% of their budget (mean planned fill "
         f"{f(sh['planned_fill_mean'], '.0%')}; the budget averaged {f(sh['budget_over_target_mean'], '.0%')} of the "
-        f"target after the step model's p95 overrun, and measured steps filled {f(sh['measured_fill_mean'], '.0%')} of "
+        f"target after the step model's p97 overrun, and measured steps filled {f(sh['measured_fill_mean'], '.0%')} of "
         f"the target); {f(s['measured_within_target'], '.0%')} of {sh['fast_steps']} fast steps "
         f"measured within the target (≥ 95%); without fast traffic lanes ran at {f(s['lanes_over_fcfs_without_fast'])}× "
         f"fcfs throughput (≥ 0.95). Under `priority`, fast got {f(s['priority_fast_over_standard_per_user'])}× standard's "

@@ -59,3 +59,33 @@ def _assert_one_error_line(stderr: str, message: str) -> None:
     errors = [line for line in lines if "error" in line.lower()]
     assert errors == [lines[-1]] and lines[-1].startswith("tollway: error:") and message in lines[-1]
     assert "Traceback" not in stderr
+
+
+def test_serve_warns_when_public_without_keys(tmp_path):
+    """Bound to every interface with no API key: a warning; the server still comes up."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tollway", "serve", "--host", "0.0.0.0", "--port", str(port),
+                             "--kernel", "int8", "--data-dir", str(tmp_path), "--keys-db", str(tmp_path / "k.sqlite")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    assert "warning: serving 0.0.0.0 with no API keys" in stderr

@@ -284,3 +284,36 @@ def test_keys_from_the_database(keyed_server):
     assert _post(keyed_server, key).status_code == 403  # standard is not among its tiers
     database.revoke("carol")
     assert _post(keyed_server, key).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def tiny_server(make_engine):
+    engine = make_engine(kernel="int8", max_num_seqs=1)
+    engine.scheduler.tiers["fast"].max_queue = 1
+    yield from _running_server(engine)
+
+
+def test_a_full_queue_is_a_429_with_retry_after(tiny_server):
+    """One seat and room for one waiting fast request: one runs, one waits, a third is refused."""
+    url = tiny_server["url"] + "/v1/completions"
+    body = {"prompt": "Tell me a long story", "max_tokens": 30, "temperature": 0, "service_tier": "priority"}
+    waiting = lambda: tiny_server["engine"].run(lambda e: len(e.scheduler.waiting["fast"])).result(10)  # noqa: E731
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as c:
+            async with c.stream("POST", url, json={**body, "stream": True}) as running:
+                lines = running.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass  # the first chunk: it holds the only seat
+                queued = asyncio.create_task(c.post(url, json=body))
+                while waiting() < 1:
+                    await asyncio.sleep(0.02)
+                refused = await c.post(url, json=body)
+                async for _ in lines:
+                    pass
+            return refused, await queued
+
+    refused, queued = asyncio.run(scenario())
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full" and "fast queue is full" in refused.json()["error"]["message"]
+    assert queued.status_code == 200 and queued.json()["usage"]["completion_tokens"] == 30
