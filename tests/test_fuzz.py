@@ -1,0 +1,30 @@
+"""Schema-driven fuzzing: schemathesis generates requests from the app's own OpenAPI schema,
+valid and not; none may get a 5xx. The context is kept short so every generated request,
+whatever its max_tokens, finishes quickly."""
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from test_server import _running_server
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(make_engine, tmp_path_factory):
+    yield from _running_server(make_engine(kernel="int8", max_model_len=48), batch_dir=tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_url(fuzz_server["url"] + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_request_gets_a_server_error(case):
+    case.call_and_validate(checks=[not_a_server_error])
