@@ -1,0 +1,42 @@
+"""Who pays for a step: its measured seconds x the price per second, split over its sequences.
+
+Each sequence's share follows its marginal work under the step-time model (tokens through the
+linear layers, rows through the LM head, attention pairs, its own attention pass). The step's
+fixed cost (reading every weight once) is spread in the same proportion, as a full step
+spreads it thin over many sequences.
+
+When the fast lane capped the step (a fast request rode in it, shaped to the fast target),
+the other lanes pay only their marginal work, as they would in the full step they were denied;
+the fixed cost and everything else the small step wasted goes to the fast requests in it. That
+idle capacity is the real price of speed. Either way the shares add up to the whole step:
+attributed cost is conserved.
+"""
+from __future__ import annotations
+
+from tollway.scheduler.plan import StepPlan
+from tollway.scheduler.step_model import StepShape
+
+
+def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float) -> dict[str, float]:
+    """request id -> cost of this step, summing to seconds * price_per_second.
+    `coefficients`: the step model's, for the plan's kernel (fixed first)."""
+    total = seconds * price_per_second
+    if not plan.seqs:
+        return {}
+    fixed, marginal = coefficients[0], {}
+    for s in plan.seqs:
+        features = StepShape("").plus(s.start_pos, s.num_new, s.num_logit_rows).features()
+        marginal[s.request_id] = sum(c * x for c, x in zip(coefficients[1:], features[1:]))
+    work = sum(marginal.values())
+    if work <= 0:  # a model that sees no work: split evenly
+        return {rid: total / len(marginal) for rid in marginal}
+    fast = {s.request_id for s in plan.seqs if s.tier == "fast"}
+    if not fast or plan.budget_seconds is None or len(fast) == len(marginal):
+        return {rid: total * m / work for rid, m in marginal.items()}
+    # Capped by the fast lane: the others pay their marginal work at the model's rate for this
+    # step; the fast requests pay the rest, in proportion to their own work.
+    others = {rid: total * m / (fixed + work) for rid, m in marginal.items() if rid not in fast}
+    rest = total - sum(others.values())
+    fast_work = sum(marginal[rid] for rid in fast)
+    charged = {rid: rest * (marginal[rid] / fast_work if fast_work > 0 else 1 / len(fast)) for rid in fast}
+    return {**others, **charged}
