@@ -32,7 +32,8 @@ def lanes(clock=None, tiers=None, **overrides) -> Scheduler:
 
 
 def request(rid, tier, prompt_len=32, max_tokens=64, arrival=1000.0) -> Request:
-    prompt = [1 + (hash((rid, i)) % 50) for i in range(prompt_len)]
+    rng = random.Random(rid)  # str hashes change per process; prompts must not
+    prompt = [rng.randint(1, 50) for _ in range(prompt_len)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                    tier=tier, arrival_time=arrival)
 
@@ -51,7 +52,7 @@ def fast_only_seconds(sched, plan) -> float:
     shape = StepShape("")
     for s in plan.seqs:
         if s.tier == "fast":
-            shape = shape.plus(s.start_pos, s.num_new, s.sample)
+            shape = shape.plus(s.start_pos, s.num_new, s.num_logit_rows)
     return sched.step_model.predict(shape.with_kernel(sched.kernel_for(shape)))
 
 

@@ -80,7 +80,7 @@ class _Step:
         lo, hi = 0, n  # the largest fitting count: time grows with tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(start, mid, mid == remaining and samples_at_end):
+            if self.fits(start, mid, int(mid == remaining and samples_at_end)):
                 lo = mid
             else:
                 hi = mid - 1
@@ -88,9 +88,13 @@ class _Step:
             lo = max(lo, min(n, self.sched.pool.block_size))
         return lo
 
-    def _fits(self, start: int, n: int, sample: bool) -> bool:
-        shape = self.shape.plus(start, n, sample)
-        return self.predict(shape) * self.headroom.get(self.kernel(shape), 1.0) <= self.seconds
+    def fits(self, start: int, n: int, logit_rows: int) -> bool:
+        """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
+        if self.seconds is None:
+            return True
+        shape = self.shape.plus(start, n, logit_rows)
+        kernel = self.kernel(shape)
+        return self.sched.step_model.predict(shape.with_kernel(kernel)) * self.headroom.get(kernel, 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
@@ -402,6 +406,9 @@ class Scheduler:
         proposer = self._ngrams.setdefault(request.request_id, NgramIndex())
         drafts = proposer.propose(request.all_token_ids, k_max)
         start = request.num_computed_tokens
+        # Drafts are extra work for the step: only as many as keep it within its target.
+        while drafts and not step.fits(start, 1 + len(drafts), 1 + len(drafts)):
+            drafts.pop()
         rate = self._acceptance.setdefault(request.request_id, Acceptance()).rate
         k = best_draft_count(len(drafts), rate, lambda k: step.predict(step.shape.plus(start, 1 + k, 1 + k)) or 1.0,
                              self.config.speculation_min_rate)
