@@ -54,7 +54,8 @@ class Engine:
                 tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path) if loaded.tokenizer_path else None
                 self.runner = ModelRunner(
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
-                    int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"))
+                    int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),
+                    cache_dir=config.cache_dir)
                 bar.update()
                 if sched.kernel == "auto" and sched.int8_max_tokens is None:
                     bar.set_description("int8/dense crossover")

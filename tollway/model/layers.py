@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tollway.model.row_ops import TorchRowOps
+
 # Keys are processed in blocks aligned to absolute position 0, and query rows are padded
 # to a multiple of 8 (below that, the CPU GEMM picks other kernels). Every sum then runs in
 # the same order whatever else shares the step, so batching and chunking never change a
@@ -23,11 +25,6 @@ _ROW_MULTIPLE = 8
 def norm_weight(weight: torch.Tensor, offset: float, device: torch.device) -> torch.Tensor:
     """The multiplier an RMSNorm applies: Gemma's (1 + w) (offset 1.0) or Llama's w, computed once."""
     return (weight.float() + offset if offset else weight.float()).to(device)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Bit-identical to transformers' x * rsqrt(mean(x^2) + eps) * w in float32, in fewer ops.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Linear:
@@ -238,7 +235,9 @@ def _attend(q: torch.Tensor, cache: KVCache, view: AttentionView, scale: float, 
 class Attention:
     """Fused q/k/v projection, optional QK-norm, RoPE, paged attention, output projection."""
 
-    def __init__(self, t: dict, build: LinearBuilder, prefix: str, cfg, layer_type: str, rotary: Rotary, device):
+    def __init__(self, t: dict, build: LinearBuilder, prefix: str, cfg, layer_type: str, rotary: Rotary,
+                 ops: TorchRowOps, device):
+        self.ops = ops
         self.qkv_proj = build(f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj")
         self.o_proj = build(f"{prefix}.o_proj")
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -248,7 +247,7 @@ class Attention:
             q_w = norm_weight(t[f"{prefix}.q_norm.weight"], cfg.norm_offset, device)
             k_w = norm_weight(t[f"{prefix}.k_norm.weight"], cfg.norm_offset, device)
             self.qk_norm = torch.stack([q_w] * self.heads + [k_w] * self.kv_heads)
-        self.split = [(self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim]
+        self.v_start = (self.heads + self.kv_heads) * self.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
@@ -257,14 +256,11 @@ class Attention:
 
     def __call__(self, x, positions, cache: KVCache, meta: AttentionMetadata, kernel: str) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.qkv_proj(x, kernel).split(self.split, dim=-1)
-        qk = qk.view(t, self.heads + self.kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            # Bit-identical to norming q and k apart with their own weights.
-            qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
-        qk = self.rotary(qk, positions)
+        qkv = self.qkv_proj(x, kernel)
+        qk = self.ops.qk_norm_rope(qkv, self.heads + self.kv_heads, self.head_dim, self.qk_norm, self.eps,
+                                   self.rotary, positions)
         q, k = qk[:, : self.heads], qk[:, self.heads:]
-        v = v.view(t, self.kv_heads, self.head_dim)
+        v = qkv[:, self.v_start:].view(t, self.kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, meta, self.layer_type, self.scale, self.softcap)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim), kernel)
 
@@ -272,12 +268,12 @@ class Attention:
 class MLP:
     """Gated MLP with the gate and up projections fused into one matmul."""
 
-    def __init__(self, t: dict, build: LinearBuilder, prefix: str, activation: str):
+    def __init__(self, t: dict, build: LinearBuilder, prefix: str, activation: str, ops: TorchRowOps):
+        self.ops = ops
+        self.activation = activation
         self.width = t[f"{prefix}.gate_proj.weight"].shape[0]
         self.gate_up = build(f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.down = build(f"{prefix}.down_proj")
-        self.act = (lambda g: F.gelu(g, approximate="tanh")) if activation == "gelu_tanh" else F.silu
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        gate, up = self.gate_up(x, kernel).split(self.width, dim=-1)
-        return self.down(self.act(gate) * up, kernel)
+        return self.down(self.ops.gated(self.gate_up(x, kernel), self.width, self.activation), kernel)

@@ -5,27 +5,35 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight, rms_norm
+from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight
+from tollway.model.row_ops import TorchRowOps
 
 
 class LlamaLayer:
-    def __init__(self, t, build, i, cfg, rotary, device):
+    def __init__(self, t, build, i, cfg, rotary, ops: TorchRowOps, device):
         p = f"model.layers.{i}"
-        self.attn = Attention(t, build, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, device)
-        self.mlp = MLP(t, build, f"{p}.mlp", cfg.hidden_act)
+        self.ops = ops
+        self.attn = Attention(t, build, f"{p}.self_attn", cfg, cfg.layer_types[i], rotary, ops, device)
+        self.mlp = MLP(t, build, f"{p}.mlp", cfg.hidden_act, ops)
         self.input_norm = norm_weight(t[f"{p}.input_layernorm.weight"], 0.0, device)
         self.post_norm = norm_weight(t[f"{p}.post_attention_layernorm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, cache, meta, kernel):
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), positions, cache, meta, kernel)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps), kernel)
+        """x is updated in place and returned."""
+        ops, eps = self.ops, self.eps
+        normed = ops.add_rms_norm(x, self.attn(ops.rms_norm(x, self.input_norm, eps), positions, cache, meta, kernel),
+                                  None, self.post_norm, eps)
+        ops.add_rms_norm(x, self.mlp(normed, kernel), None, None, eps)
+        return x
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, cfg, tensors: dict[str, torch.Tensor], build: LinearBuilder, max_positions: int, device):
+    def __init__(self, cfg, tensors: dict[str, torch.Tensor], build: LinearBuilder, max_positions: int,
+                 ops: TorchRowOps, device):
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device)
-        self.layers = [LlamaLayer(tensors, build, i, cfg, rotary, device) for i in range(cfg.num_layers)]
+        self.ops = ops
+        self.layers = [LlamaLayer(tensors, build, i, cfg, rotary, ops, device) for i in range(cfg.num_layers)]
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
@@ -35,4 +43,4 @@ class LlamaModel(DecoderModel):
         x = self.embed[input_ids]
         for layer, cache in zip(self.layers, caches):
             x = layer(x, positions, cache, meta, kernel)
-        return rms_norm(x, self.final_norm, self.eps)
+        return self.ops.rms_norm(x, self.final_norm, self.eps)

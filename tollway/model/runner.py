@@ -16,6 +16,7 @@ from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
 from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, KVCache, LinearBuilder, PrefillSpan
 from tollway.model.llama import LlamaModel
+from tollway.model.row_ops import row_ops_for
 from tollway.model.sampling import sample
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 
@@ -24,8 +25,10 @@ ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
 
 class ModelRunner:
     def __init__(self, model_config, tensors: dict[str, torch.Tensor], sched: SchedulerConfig,
-                 device: torch.device, kernels: set[str], seed: int = 0, int8_cache: Path | None = None):
-        """`int8_cache`: a safetensors file that keeps the int8 weight copies between starts."""
+                 device: torch.device, kernels: set[str], seed: int = 0, int8_cache: Path | None = None,
+                 cache_dir: str | None = None):
+        """`int8_cache`: a safetensors file that keeps the int8 weight copies between starts;
+        `cache_dir`: where compiled kernels are kept (see row_ops.py)."""
         keep_freed_memory()
         self.device = device
         self.kernels = kernels
@@ -34,7 +37,7 @@ class ModelRunner:
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
         build = LinearBuilder(tensors, kernels, device, int8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
-            model_config, tensors, build, max_positions, device)
+            model_config, tensors, build, max_positions, row_ops_for(device, cache_dir), device)
         if build.quantized and int8_cache:
             _write_int8(int8_cache, int8)
         # float32 KV on CPU: no native bf16 math on AVX2, and the fp32 kernel then matches transformers exactly.

@@ -1,0 +1,158 @@
+"""The row-wise operations between a layer's matmuls: RMS norms, the residual update, QK-norm
+with RoPE, and the gated activation.
+
+Two implementations with one interface: `TorchRowOps` (the reference, and the path on a GPU)
+and `NativeRowOps`, the same operations in C (row_ops.c), compiled at first use with the
+system's C compiler and cached. At batch 1 a decoder layer runs about sixty tiny torch ops
+and torch's per-op dispatch, not the arithmetic, is most of the step outside the matmuls;
+one C call per operation removes it. Without a compiler the torch path is used.
+
+Both are row-wise: an output row depends only on its input row, never on the batch.
+`add_rms_norm` updates x in place (x is always the step's own activation tensor).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tollway.model.weights import cache_root
+
+_log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("row_ops.c")
+# No -ffast-math: linking with it would switch the whole process to flush-to-zero.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
+
+
+class TorchRowOps:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, h_weight: torch.Tensor | None,
+                     weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """x += rms_norm(h) * h_weight (or x += h when h_weight is None), in place; returns
+        rms_norm(x) * weight, or None when weight is None."""
+        x.add_(self.rms_norm(h, h_weight, eps) if h_weight is not None else h)
+        return self.rms_norm(x, weight, eps) if weight is not None else None
+
+    def qk_norm_rope(self, qkv: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor | None, eps: float,
+                     rotary, positions: torch.Tensor) -> torch.Tensor:
+        """The first `heads` heads of each qkv row, normed per head (weight: [heads, head_dim])
+        when weight is given, then rotated: a new [T, heads, head_dim] tensor."""
+        qk = qkv[:, : heads * head_dim].view(qkv.shape[0], heads, head_dim)
+        if weight is not None:
+            qk = F.rms_norm(qk, (head_dim,), None, eps) * weight
+        return rotary(qk, positions)
+
+    def gated(self, gate_up: torch.Tensor, width: int, activation: str) -> torch.Tensor:
+        gate, up = gate_up.split(width, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+        return act * up
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class NativeRowOps(TorchRowOps):
+    """The same operations through row_ops.c, for float32 tensors on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._rms_norm = _bind(lib.rms_norm, p, i64, p, f32, i64, i64, p)
+        self._add_rms_norm = _bind(lib.add_rms_norm, p, p, p, p, f32, i64, i64, p)
+        self._qk_norm_rope = _bind(lib.qk_norm_rope, p, i64, i64, i64, i64, p, f32, p, p, p, p)
+        self._gated = _bind(lib.gated_act, p, i64, i64, ctypes.c_int32, p)
+
+    def rms_norm(self, x, weight, eps):
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), _ptr(weight), eps, x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def add_rms_norm(self, x, h, h_weight, weight, eps):
+        h = h.contiguous()
+        normed = torch.empty_like(x) if weight is not None else None
+        self._add_rms_norm(x.data_ptr(), h.data_ptr(), _ptr(h_weight), _ptr(weight), eps, x.shape[0], x.shape[1],
+                           _ptr(normed))
+        return normed
+
+    def qk_norm_rope(self, qkv, heads, head_dim, weight, eps, rotary, positions):
+        out = torch.empty(qkv.shape[0], heads, head_dim)
+        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, _ptr(weight), eps,
+                           rotary.cos.data_ptr(), rotary.signed_sin.data_ptr(), positions.data_ptr(), out.data_ptr())
+        return out
+
+    def gated(self, gate_up, width, activation):
+        out = torch.empty(gate_up.shape[0], width)
+        self._gated(gate_up.data_ptr(), gate_up.shape[0], width, ACTIVATIONS[activation], out.data_ptr())
+        return out
+
+
+def _bind(fn, *argtypes):
+    fn.argtypes, fn.restype = list(argtypes), None
+    return fn
+
+
+def row_ops_for(device: torch.device, cache_dir: str | os.PathLike | None = None) -> TorchRowOps:
+    """The native kernels on a CPU where they compile (set TOLLWAY_NATIVE=0 to turn them off),
+    torch otherwise."""
+    if device.type != "cpu" or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+        return TorchRowOps()
+    lib = compiled_library(cache_root(cache_dir) / "native")
+    return NativeRowOps(ctypes.CDLL(str(lib))) if lib else TorchRowOps()
+
+
+def compiled_library(folder: Path) -> Path | None:
+    """row_ops.c built for this machine, reusing a build of the same source, flags, compiler
+    and CPU. None, with a warning, when there is no working C compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        _log.warning("no C compiler found: using torch for the row-wise ops (slower at small batches)")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        source = _SOURCE.read_bytes()
+        key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                         platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
+        lib = folder / f"row_ops-{key}.so"
+        if lib.is_file():
+            return lib
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".row_ops-", suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            built = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+            if built.returncode != 0:
+                _log.warning("compiling row_ops.c failed, using torch for the row-wise ops:\n%s", built.stderr.strip())
+                return None
+            os.replace(tmp, lib)  # atomic: a concurrent start sees the old state or a whole library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return lib
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log.warning("could not build row_ops.c (%s): using torch for the row-wise ops", exc)
+        return None
+
+
+def _cpu_flags() -> bytes:
+    # -march=native: a cached build is only valid on a CPU with the same instruction sets.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
