@@ -7,8 +7,11 @@ import shutil
 import pytest
 import torch
 
-from tollway.model.layers import Rotary
+from tollway.model.attention_metadata import step_metadata
+from tollway.model.layers import KVCache, Rotary
 from tollway.model.row_ops import NativeRowOps, TorchRowOps, compiled_library, row_ops_for
+from tollway.request import SamplingParams
+from tollway.scheduler.plan import ScheduledSeq
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
@@ -17,7 +20,7 @@ CLOSE = {"rtol": 2e-5, "atol": 2e-5}
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    ops = row_ops_for(torch.device("cpu"), tmp_path_factory.mktemp("cache"))
+    ops = row_ops_for(torch.device("cpu"), 256, tmp_path_factory.mktemp("cache"))
     assert isinstance(ops, NativeRowOps)
     return ops
 
@@ -85,5 +88,61 @@ def test_the_build_is_reused_and_a_broken_compiler_falls_back_to_torch(tmp_path,
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails: a different key, so a fresh build
     assert compiled_library(tmp_path / "other") is None
     assert "row_ops.c" in caplog.text
-    assert type(row_ops_for(torch.device("cpu"), tmp_path / "other")) is TorchRowOps
+    assert type(row_ops_for(torch.device("cpu"), 256, tmp_path / "other")) is TorchRowOps
     assert not list((tmp_path / "other").rglob("*.so")) and not list((tmp_path / "other").rglob(".row_ops-*"))
+
+
+def _attention_step(window):
+    """A step mixing two decodes (first, as the runner orders them) with two prefill chunks, one
+    long enough to be split over two threads, over a cache whose earlier positions are filled."""
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, bs = 4, 2, 32, 4
+    blocks = torch.randperm(96, generator=g).tolist()
+    specs = [("a", 40, 1), ("b", 5, 1), ("c", 10, 20), ("d", 0, 200)]  # (id, start, new tokens)
+    seqs, positions, slots = [], [], []
+    for rid, start, n in specs:
+        table = tuple(blocks[:-(-(start + n) // bs)])
+        blocks = blocks[len(table):]
+        seqs.append(ScheduledSeq(rid, "standard", (1,) * n, start, table, True, SamplingParams(temperature=0)))
+        positions += range(start, start + n)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+    cache = KVCache(96 * bs, kv_heads, d, torch.float32, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    qk = torch.randn(len(positions), heads + kv_heads, d, generator=g)
+    v = torch.randn(len(positions), kv_heads, d, generator=g)
+    return seqs, positions, slots, cache, qk, v, heads, bs
+
+
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_attention_matches_torch(native, window, softcap):
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window)
+    kind = "sliding" if window else "full"
+    results = []
+    for ops in (native, TorchRowOps()):
+        meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), ops.needs_views)
+        if ops is native:
+            assert meta.splits[kind] > 0  # the long prefill runs on two threads
+        own = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[2], torch.float32, torch.device("cpu"))
+        own.k.copy_(cache.k), own.v.copy_(cache.v)
+        results.append((ops.attention(qk, v, heads, own, meta, kind, window, 0.25, softcap), own))
+    (got, got_cache), (want, want_cache) = results
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    torch.testing.assert_close(got, want, **CLOSE)
+
+
+def test_attention_of_a_token_does_not_depend_on_its_batch(native):
+    """Bit for bit: a decode alone, and the last token of a chunk alone, equal themselves in the mixed step."""
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(24)
+    device = torch.device("cpu")
+    full = native.attention(qk, v, heads, cache, step_metadata(seqs, positions, slots, bs, 24, device, False),
+                            "sliding", 24, 0.25, None)
+    alone = native.attention(qk[:1], v[:1], heads, cache, step_metadata(seqs[:1], positions[:1], slots[:1], bs, 24,
+                                                                          device, False), "sliding", 24, 0.25, None)
+    assert torch.equal(full[:1], alone)
+    last = len(positions) - 1
+    tail_seq = ScheduledSeq("d", "standard", (1,), positions[last], seqs[3].block_table, True, seqs[3].params)
+    tail = native.attention(qk[last:], v[last:], heads, cache, step_metadata([tail_seq], positions[last:], slots[last:],
+                                                                           bs, 24, device, False), "sliding", 24, 0.25, None)
+    assert torch.equal(full[last:], tail)

@@ -68,7 +68,8 @@ class Engine:
             if config.profile_steps:  # after the tokenizer thread: it would skew the timings
                 bar.set_description("profiling steps")
                 samples = remembered(
-                    cache_root(config.cache_dir) / "step-profile.json", f"{loaded.source}|{profile_key(sched)}",
+                    cache_root(config.cache_dir) / "step-profile.json",
+                    f"{loaded.source}|{type(self.runner.model.ops).__name__}|{profile_key(sched)}",
                     lambda: samples_to_json(profile_step_times(self.runner, sched, progress=progress)))
                 self.step_model = StepTimeModel.fit(samples_from_json(samples))
             bar.update()

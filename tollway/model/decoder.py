@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
+from tollway.model.row_ops import TorchRowOps
 
 
 class DecoderModel:
@@ -13,6 +14,7 @@ class DecoderModel:
     layers: list  # each with .attn (qkv_proj, o_proj) and .mlp (gate_up, down)
     embed: torch.Tensor
     lm_head: Linear
+    ops: TorchRowOps  # norms, attention and the rest between the matmuls
     final_logit_softcapping: float | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],

@@ -6,12 +6,14 @@ dtype with the step's kernel, so the kernel choice is a per-step decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from tollway.model.row_ops import TorchRowOps
+if TYPE_CHECKING:
+    from tollway.model.row_ops import TorchRowOps
 
 # Keys are processed in blocks aligned to absolute position 0, and query rows are padded
 # to a multiple of 8 (below that, the CPU GEMM picks other kernels). Every sum then runs in
@@ -158,12 +160,18 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner and shared by every layer."""
+    """Built once per step by the runner and shared by every layer: views of the gathered keys
+    for the torch path (`paged_attention`), block tables for the native one (row_ops.py)."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    num_decode: int  # rows 0..num_decode-1 are single-token decodes
-    decode_views: dict[str, AttentionView]  # layer type -> [num_decode, 1, 1, L]
-    prefills: list[PrefillSpan]
+    positions: torch.Tensor  # [T]
+    num_decode: int = 0  # rows 0..num_decode-1 are single-token decodes
+    decode_views: dict[str, AttentionView] = field(default_factory=dict)  # layer type -> [num_decode, 1, 1, L]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    block_size: int = 0
+    tables: torch.Tensor | None = None  # [S, W] the block tables of the step's sequences
+    table_rows: torch.Tensor | None = None  # [T] each token's row in `tables`
+    splits: dict[str, int] = field(default_factory=dict)  # layer type -> first token of the second thread's half (0: one thread)
 
 
 class KVCache:
@@ -252,6 +260,7 @@ class Attention:
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
         self.layer_type = layer_type
+        self.window = cfg.sliding_window if layer_type == "sliding" else 0
         self.rotary = rotary
 
     def __call__(self, x, positions, cache: KVCache, meta: AttentionMetadata, kernel: str) -> torch.Tensor:
@@ -259,9 +268,8 @@ class Attention:
         qkv = self.qkv_proj(x, kernel)
         qk = self.ops.qk_norm_rope(qkv, self.heads + self.kv_heads, self.head_dim, self.qk_norm, self.eps,
                                    self.rotary, positions)
-        q, k = qk[:, : self.heads], qk[:, self.heads:]
         v = qkv[:, self.v_start:].view(t, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache, meta, self.layer_type, self.scale, self.softcap)
+        out = self.ops.attention(qk, v, self.heads, cache, meta, self.layer_type, self.window, self.scale, self.softcap)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim), kernel)
 
 

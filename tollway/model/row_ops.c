@@ -6,6 +6,7 @@
    row's bits never depend on what else shares the step. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* 1 / rms(x) over n floats, accumulated in double: a fixed order, and exact enough that the
@@ -115,4 +116,125 @@ void gated_act(const float *gate_up, int64_t rows, int64_t width, int32_t kind, 
             }
         }
     }
+}
+
+/* ---- paged attention ------------------------------------------------------------------- */
+
+typedef float v8 __attribute__((vector_size(32)));
+enum { TILE = 4 };  /* query vectors sharing each key and value load */
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* Writes the step's new keys and values to their cache slots. */
+void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
+              const int64_t *slots, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+    }
+}
+
+/* Causal attention of each token's query heads over its sequence's cached keys, read through
+   its block table: positions [max(0, p - window + 1), p] (window 0: [0, p]). Token t uses
+   table row table_rows[t]; q rows are q_stride floats apart, head h at h * d; out is
+   [tokens, heads, d]. d must be a multiple of 16.
+
+   Query vectors of one sequence and KV head are taken TILE at a time so that each key and
+   value is loaded once per tile. A vector's result does not depend on its tile: its scores
+   are its own dot products, and keys outside its range weigh exactly 0, so its sums run over
+   its own keys in position order whatever the tile's combined range. */
+void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                     const float *k_cache, const float *v_cache, const int64_t *tables, int64_t table_width,
+                     const int64_t *table_rows, const int64_t *positions, int64_t block_size, int64_t window,
+                     float scale, float softcap, float *out) {
+    int64_t group = heads / kv_heads;
+    float *weights = NULL;   /* [TILE][span]: scores, then softmax numerators */
+    int64_t *rows = NULL;    /* [span]: cache row of each key position */
+    int64_t capacity = 0;
+    for (int64_t first = 0; first < tokens;) {
+        int64_t end = first + 1;
+        while (end < tokens && table_rows[end] == table_rows[first]) end++;
+        const int64_t *table = tables + table_rows[first] * table_width;
+        int64_t vectors = (end - first) * group;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            for (int64_t v0 = 0; v0 < vectors; v0 += TILE) {
+                const float *qv[TILE];
+                float *ov[TILE];
+                int64_t lo[TILE], hi[TILE], tile_lo = INT64_MAX, tile_hi = 0;
+                for (int i = 0; i < TILE; i++) {
+                    int64_t vi = v0 + i < vectors ? v0 + i : vectors - 1;  /* padding repeats the last */
+                    int64_t t = first + vi / group, h = g * group + vi % group;
+                    qv[i] = q + t * q_stride + h * d;
+                    ov[i] = v0 + i < vectors ? out + (t * heads + h) * d : NULL;
+                    hi[i] = positions[t];
+                    lo[i] = window && hi[i] - window + 1 > 0 ? hi[i] - window + 1 : 0;
+                    tile_lo = lo[i] < tile_lo ? lo[i] : tile_lo;
+                    tile_hi = hi[i] > tile_hi ? hi[i] : tile_hi;
+                }
+                int64_t span = tile_hi - tile_lo + 1;
+                if (span > capacity) {
+                    free(weights);
+                    free(rows);
+                    capacity = span * 2;
+                    weights = malloc(sizeof(float) * TILE * capacity);
+                    rows = malloc(sizeof(int64_t) * capacity);
+                }
+                for (int64_t j = 0; j < span; j++) {
+                    int64_t pos = tile_lo + j;
+                    rows[j] = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + g;
+                }
+                for (int64_t j = 0; j < span; j++) {
+                    const float *key = k_cache + rows[j] * d;
+                    v8 acc[TILE];
+                    for (int i = 0; i < TILE; i++) acc[i] = (v8){0};
+                    for (int64_t c = 0; c < d; c += 8) {
+                        v8 kc = load8(key + c);
+                        for (int i = 0; i < TILE; i++) acc[i] += load8(qv[i] + c) * kc;
+                    }
+                    for (int i = 0; i < TILE; i++) {
+                        float s = hsum8(acc[i]) * scale;
+                        if (softcap != 0.0f) {
+                            /* tanh(x) = 2 sigmoid(2x) - 1 */
+                            s = softcap * (2.0f / (1.0f + exp_poly(-2.0f * s / softcap)) - 1.0f);
+                        }
+                        int64_t pos = tile_lo + j;
+                        weights[i * span + j] = pos >= lo[i] && pos <= hi[i] ? s : -INFINITY;
+                    }
+                }
+                float total[TILE];
+                for (int i = 0; i < TILE; i++) {
+                    float *w = weights + i * span, m = -INFINITY, sum = 0.0f;
+                    for (int64_t j = 0; j < span; j++) m = w[j] > m ? w[j] : m;
+                    for (int64_t j = 0; j < span; j++) {
+                        w[j] = w[j] == -INFINITY ? 0.0f : exp_poly(w[j] - m);
+                        sum += w[j];
+                    }
+                    total[i] = sum;
+                }
+                for (int64_t c = 0; c < d; c += 16) {
+                    v8 acc[TILE][2];
+                    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = (v8){0};
+                    for (int64_t j = 0; j < span; j++) {
+                        const float *value = v_cache + rows[j] * d + c;
+                        v8 x0 = load8(value), x1 = load8(value + 8);
+                        for (int i = 0; i < TILE; i++) {
+                            float p = weights[i * span + j];
+                            acc[i][0] += p * x0;
+                            acc[i][1] += p * x1;
+                        }
+                    }
+                    for (int i = 0; i < TILE; i++) {
+                        if (!ov[i]) continue;
+                        store8(ov[i] + c, acc[i][0] / total[i]);
+                        store8(ov[i] + c + 8, acc[i][1] / total[i]);
+                    }
+                }
+            }
+        }
+        first = end;
+    }
+    free(weights);
+    free(rows);
 }

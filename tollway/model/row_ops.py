@@ -1,5 +1,5 @@
-"""The row-wise operations between a layer's matmuls: RMS norms, the residual update, QK-norm
-with RoPE, and the gated activation.
+"""The row-wise operations of a decoder layer, everything but its matmuls: RMS norms, the
+residual update, QK-norm with RoPE, paged attention and the gated activation.
 
 Two implementations with one interface: `TorchRowOps` (the reference, and the path on a GPU)
 and `NativeRowOps`, the same operations in C (row_ops.c), compiled at first use with the
@@ -7,8 +7,10 @@ system's C compiler and cached. At batch 1 a decoder layer runs about sixty tiny
 and torch's per-op dispatch, not the arithmetic, is most of the step outside the matmuls;
 one C call per operation removes it. Without a compiler the torch path is used.
 
-Both are row-wise: an output row depends only on its input row, never on the batch.
-`add_rms_norm` updates x in place (x is always the step's own activation tensor).
+Both are row-wise: a token's output depends only on its own inputs (and, for attention, its
+sequence's cache), never on the batch. The two agree to float rounding, not bit for bit, so
+one engine uses one of them throughout. `add_rms_norm` updates x in place (x is always the
+step's own activation tensor).
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
 from tollway.model.weights import cache_root
 
 _log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
 
 class TorchRowOps:
+    needs_views = True  # reads AttentionMetadata's gathered-key views
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -54,6 +60,13 @@ class TorchRowOps:
             qk = F.rms_norm(qk, (head_dim,), None, eps) * weight
         return rotary(qk, positions)
 
+    def attention(self, qk: torch.Tensor, v: torch.Tensor, heads: int, cache: KVCache, meta: AttentionMetadata,
+                  layer_type: str, window: int, scale: float, softcap: float | None) -> torch.Tensor:
+        """Writes the step's k ([T, heads:] of qk) and v to the cache, then attends with the
+        query heads ([T, :heads] of qk): [T, heads, head_dim]. `window` 0 is full attention;
+        the torch path reads it from the views instead."""
+        return paged_attention(qk[:, :heads], qk[:, heads:], v, cache, meta, layer_type, scale, softcap)
+
     def gated(self, gate_up: torch.Tensor, width: int, activation: str) -> torch.Tensor:
         gate, up = gate_up.split(width, dim=-1)
         act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
@@ -67,12 +80,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeRowOps(TorchRowOps):
     """The same operations through row_ops.c, for float32 tensors on the CPU."""
 
+    needs_views = False  # reads AttentionMetadata's block tables
+
     def __init__(self, lib: ctypes.CDLL):
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._rms_norm = _bind(lib.rms_norm, p, i64, p, f32, i64, i64, p)
         self._add_rms_norm = _bind(lib.add_rms_norm, p, p, p, p, f32, i64, i64, p)
         self._qk_norm_rope = _bind(lib.qk_norm_rope, p, i64, i64, i64, i64, p, f32, p, p, p, p)
         self._gated = _bind(lib.gated_act, p, i64, i64, ctypes.c_int32, p)
+        self._write_kv = _bind(lib.write_kv, p, i64, p, i64, i64, i64, p, p, p)
+        self._attention = _bind(lib.paged_attention, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64, i64,
+                                f32, f32, p)
+        # ctypes releases the GIL during a call, so a second thread halves a long attention.
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="tollway-attention")
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.stride(-1) != 1:
@@ -94,6 +114,29 @@ class NativeRowOps(TorchRowOps):
                            rotary.cos.data_ptr(), rotary.signed_sin.data_ptr(), positions.data_ptr(), out.data_ptr())
         return out
 
+    def attention(self, qk, v, heads, cache, meta, layer_type, window, scale, softcap):
+        tokens, _, d = qk.shape
+        kv_heads = qk.shape[1] - heads
+        k = qk[:, heads:]
+        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * d,
+                       meta.slot_mapping.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr())
+        out = torch.empty(tokens, heads, d)
+
+        def run(first: int, count: int) -> None:
+            self._attention(qk.data_ptr() + 4 * first * qk.stride(0), qk.stride(0), count, heads, kv_heads, d,
+                            cache.k.data_ptr(), cache.v.data_ptr(), meta.tables.data_ptr(), meta.tables.shape[1],
+                            meta.table_rows.data_ptr() + 8 * first, meta.positions.data_ptr() + 8 * first,
+                            meta.block_size, window, scale, softcap or 0.0, out.data_ptr() + 4 * first * heads * d)
+
+        split = meta.splits.get(layer_type, 0)
+        if split:
+            second = self._helper.submit(run, split, tokens - split)
+            run(0, split)
+            second.result()
+        else:
+            run(0, tokens)
+        return out
+
     def gated(self, gate_up, width, activation):
         out = torch.empty(gate_up.shape[0], width)
         self._gated(gate_up.data_ptr(), gate_up.shape[0], width, ACTIVATIONS[activation], out.data_ptr())
@@ -105,10 +148,11 @@ def _bind(fn, *argtypes):
     return fn
 
 
-def row_ops_for(device: torch.device, cache_dir: str | os.PathLike | None = None) -> TorchRowOps:
+def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLike | None = None) -> TorchRowOps:
     """The native kernels on a CPU where they compile (set TOLLWAY_NATIVE=0 to turn them off),
     torch otherwise."""
-    if device.type != "cpu" or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+    # The attention kernel reads heads in 16-float pieces.
+    if device.type != "cpu" or head_dim % 16 or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return TorchRowOps()
     lib = compiled_library(cache_root(cache_dir) / "native")
     return NativeRowOps(ctypes.CDLL(str(lib))) if lib else TorchRowOps()

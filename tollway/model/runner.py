@@ -14,7 +14,8 @@ from tollway.config import SchedulerConfig
 from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
-from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, KVCache, LinearBuilder, PrefillSpan
+from tollway.model.attention_metadata import step_metadata
+from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
 from tollway.model.row_ops import row_ops_for
 from tollway.model.sampling import sample
@@ -37,7 +38,7 @@ class ModelRunner:
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
         build = LinearBuilder(tensors, kernels, device, int8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
-            model_config, tensors, build, max_positions, row_ops_for(device, cache_dir), device)
+            model_config, tensors, build, max_positions, row_ops_for(device, model_config.head_dim, cache_dir), device)
         if build.quantized and int8_cache:
             _write_int8(int8_cache, int8)
         # float32 KV on CPU: no native bf16 math on AVX2, and the fp32 kernel then matches transformers exactly.
@@ -69,8 +70,7 @@ class ModelRunner:
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         dev, bs = self.device, self.block_size
-        ids, pos, slots, logit_rows, prefills = [], [], [], {}, []
-        decodes = [s for s in seqs if s.is_decode]
+        ids, pos, slots, logit_rows = [], [], [], {}
         row = 0
         for s in seqs:
             p = list(range(s.start_pos, s.context_len))
@@ -78,47 +78,9 @@ class ModelRunner:
             pos.extend(p)
             slots.extend(s.block_table[q // bs] * bs + q % bs for q in p)
             logit_rows[s.request_id] = range(row + s.num_new - s.num_logit_rows, row + s.num_new)
-            if not s.is_decode:
-                q_pos = torch.arange(s.start_pos, s.context_len, device=dev).unsqueeze(0)
-                prefills.append(PrefillSpan(row, s.num_new, self._views([s.block_table], q_pos)))
             row += s.num_new
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decodes),
-            decode_views=self._views([s.block_table for s in decodes],
-                                    torch.tensor([[s.start_pos] for s in decodes], device=dev)) if decodes else {},
-            prefills=prefills,
-        )
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, logit_rows)
-
-    def _layer_types(self):
-        return ("full", "sliding") if self.window else ("full",)
-
-    def _views(self, tables: list[tuple[int, ...]], q_pos: torch.Tensor) -> dict[str, AttentionView]:
-        """Per layer type, the keys for a group of sequences whose query rows sit at positions
-        q_pos [B, n]. Keys start at a block-aligned position so padding never reorders a sum."""
-        dev, bs = self.device, self.block_size
-        width = max(len(t) for t in tables)
-        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        last = q_pos.amax(dim=1)  # [B]
-        views = {}
-        for kind in self._layer_types():
-            if kind == "sliding":
-                first = (q_pos.amin(dim=1) - self.window + 1).clamp(min=0) // ATTENTION_BLOCK * ATTENTION_BLOCK
-            else:
-                first = torch.zeros_like(last)
-            span = int((last + 1 - first).max())
-            length = -(-span // ATTENTION_BLOCK) * ATTENTION_BLOCK
-            key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
-            slot_pos = torch.where(key_pos <= last.unsqueeze(1), key_pos, 0)
-            slots = table.gather(1, slot_pos // bs) * bs + slot_pos % bs
-            allowed = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, L]
-            if kind == "sliding":
-                allowed &= key_pos.unsqueeze(1) > q_pos.unsqueeze(2) - self.window
-            bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
-            views[kind] = AttentionView(slots, bias.unsqueeze(1))
-        return views
+        meta = step_metadata(seqs, pos, slots, bs, self.window, dev, self.model.ops.needs_views)
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta, logit_rows
 
 
 def _read_int8(path: Path) -> dict[str, torch.Tensor]:

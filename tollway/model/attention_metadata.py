@@ -1,0 +1,81 @@
+"""What every layer's attention needs to know about a step, built once per step: where the new
+keys go, and which cached keys each token reads."""
+from __future__ import annotations
+
+import torch
+
+from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, PrefillSpan
+from tollway.scheduler.plan import ScheduledSeq
+
+# Attention of a step with at least this many (token, key) pairs runs on two threads (native path).
+PARALLEL_ATTENTION_PAIRS = 4096
+
+
+def step_metadata(seqs: list[ScheduledSeq], positions: list[int], slots: list[int], block_size: int,
+                  window: int | None, device: torch.device, needs_views: bool) -> AttentionMetadata:
+    """seqs in row order, decodes first; positions and slots per token. `window`: the sliding
+    layers' window (None: the model has none). `needs_views`: the torch path's gathered-key
+    views rather than the native path's block tables."""
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                             positions=torch.tensor(positions, dtype=torch.long, device=device), block_size=block_size)
+    layer_types = ("full", "sliding") if window else ("full",)
+    if not needs_views:
+        width = max(len(s.block_table) for s in seqs)
+        meta.tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs],
+                                   dtype=torch.long)
+        meta.table_rows = torch.tensor([i for i, s in enumerate(seqs) for _ in range(s.num_new)], dtype=torch.long)
+        meta.splits = {kind: _balanced_split(positions, window if kind == "sliding" else 0) for kind in layer_types}
+        return meta
+    decodes = [s for s in seqs if s.is_decode]
+    meta.num_decode = len(decodes)
+    if decodes:
+        q_pos = torch.tensor([[s.start_pos] for s in decodes], device=device)
+        meta.decode_views = _views([s.block_table for s in decodes], q_pos, block_size, window, layer_types)
+    row = len(decodes)
+    for s in seqs[len(decodes):]:
+        q_pos = torch.arange(s.start_pos, s.context_len, device=device).unsqueeze(0)
+        meta.prefills.append(PrefillSpan(row, s.num_new, _views([s.block_table], q_pos, block_size, window, layer_types)))
+        row += s.num_new
+    return meta
+
+
+def _views(tables: list[tuple[int, ...]], q_pos: torch.Tensor, block_size: int, window: int | None,
+           layer_types: tuple[str, ...]) -> dict[str, AttentionView]:
+    """Per layer type, the keys for a group of sequences whose query rows sit at positions
+    q_pos [B, n]. Keys start at a block-aligned position so padding never reorders a sum."""
+    dev, bs = q_pos.device, block_size
+    width = max(len(t) for t in tables)
+    table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+    last = q_pos.amax(dim=1)  # [B]
+    views = {}
+    for kind in layer_types:
+        if kind == "sliding":
+            first = (q_pos.amin(dim=1) - window + 1).clamp(min=0) // ATTENTION_BLOCK * ATTENTION_BLOCK
+        else:
+            first = torch.zeros_like(last)
+        span = int((last + 1 - first).max())
+        length = -(-span // ATTENTION_BLOCK) * ATTENTION_BLOCK
+        key_pos = first.unsqueeze(1) + torch.arange(length, device=dev)  # [B, L]
+        slot_pos = torch.where(key_pos <= last.unsqueeze(1), key_pos, 0)
+        slots = table.gather(1, slot_pos // bs) * bs + slot_pos % bs
+        allowed = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, L]
+        if kind == "sliding":
+            allowed &= key_pos.unsqueeze(1) > q_pos.unsqueeze(2) - window
+        bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+        views[kind] = AttentionView(slots, bias.unsqueeze(1))
+    return views
+
+
+def _balanced_split(positions: list[int], window: int) -> int:
+    """Where to cut the step's tokens so two threads get equal attention work (token i reads
+    min(p + 1, window) keys); 0 when the work is too small to be worth a second thread."""
+    work = [min(p + 1, window) if window else p + 1 for p in positions]
+    total = sum(work)
+    if total < PARALLEL_ATTENTION_PAIRS or len(work) < 2:
+        return 0
+    done = 0
+    for i, w in enumerate(work):
+        done += w
+        if 2 * done >= total:
+            return min(i + 1, len(work) - 1)
+    return 0
