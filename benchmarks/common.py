@@ -1,6 +1,7 @@
 """Helpers the benchmark scripts share: what machine this is, prompts, the README sections."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -60,3 +61,21 @@ def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
     (benchmarks / out).parent.mkdir(parents=True, exist_ok=True)
     (benchmarks / out).write_text(json.dumps(result, indent=1) + "\n")
     return out
+
+
+def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None) -> None:
+    """The command line every benchmark shares. run(settings, quick) -> result; then the JSON,
+    figures(result, quick) -> [paths relative to benchmarks/] if any, and markdown(result,
+    json path, *figure paths) -> the README section (written only for a full run)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
+    args = parser.parse_args()
+    benchmarks = Path(__file__).resolve().parent
+    result = run(quick if args.quick else full, args.quick)
+    written = [str(save_json(benchmarks, name, result, args.quick))]
+    written += figures(result, args.quick) if figures else []
+    section = markdown(result, *written)
+    if not args.quick:
+        write_readme(benchmarks / "README.md", name, section)
+    print(section)
+    print("\nwrote " + ", ".join(f"benchmarks/{w}" for w in written) + ("" if args.quick else " and benchmarks/README.md"))

@@ -9,7 +9,6 @@ the machines it runs on are shared and noisy (see DESIGN.md, "Measuring").
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, random_prompts, save_json, targets_line, write_readme  # noqa: E402
+from common import machine_info, random_prompts, run_benchmark, targets_line  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -33,7 +32,6 @@ from tollway.model.reference import transformers_gemma3  # noqa: E402
 from tollway.model.weights import load_weights  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
 
-README = ROOT / "benchmarks" / "README.md"
 
 FULL = dict(
     batches=(1, 4, 16, 64), prompt_len=128, new_tokens=128, prefill_len=2048, prefill_runs=2,
@@ -360,18 +358,5 @@ def markdown(r: dict, raw: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small batches and few tokens, for development")
-    args = parser.parse_args()
-    result = run(QUICK if args.quick else FULL, args.quick)
-    out = save_json(README.parent, "engine", result, args.quick)
-    section = markdown(result, str(out))
-    if not args.quick:
-        write_readme(README, "engine", section)
-    print(section)
-    print(f"\nwrote benchmarks/{out}" + ("" if args.quick else " and benchmarks/README.md"))
-
-
 if __name__ == "__main__":
-    main()
+    run_benchmark("engine", __doc__, run, markdown, FULL, QUICK)

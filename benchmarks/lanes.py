@@ -12,7 +12,6 @@ ratio between runs of this same script on this same machine.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import os
@@ -27,14 +26,14 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, save_json, targets_line, write_readme  # noqa: E402
+from common import machine_info, run_benchmark, targets_line  # noqa: E402
 from tollway.config import EngineConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
 from tollway.scheduler.scheduler import Scheduler  # noqa: E402
 from tollway.scheduler.step_model import StepShape  # noqa: E402
 
-README = ROOT / "benchmarks" / "README.md"
+BENCHMARKS = ROOT / "benchmarks"
 FULL = dict(duration=75.0, warmup=20.0, streams=64, fast_share=0.10, standard_prompt=64, standard_tokens=64,
             fast_prompt=64, fast_tokens=32, sweep=(0.08, 0.12, 0.2, 0.4), idle_runs=3)
 QUICK = dict(duration=20.0, warmup=8.0, streams=16, fast_share=0.10, standard_prompt=32, standard_tokens=24,
@@ -393,20 +392,11 @@ def markdown(r: dict, raw: str, png: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short, small load, for development")
-    args = parser.parse_args()
-    result = run(QUICK if args.quick else FULL, args.quick)
-    out = save_json(README.parent, "lanes", result, args.quick)
-    png = Path("out/lanes-quick.png" if args.quick else "results/lanes_tradeoff.png")
-    plot(result, README.parent / png)
-    section = markdown(result, str(out), str(png))
-    if not args.quick:
-        write_readme(README, "lanes", section)
-    print(section)
-    print(f"\nwrote benchmarks/{out}, benchmarks/{png}" + ("" if args.quick else " and benchmarks/README.md"))
+def figures(result: dict, quick: bool) -> list[str]:
+    png = "out/lanes-quick.png" if quick else "results/lanes_tradeoff.png"
+    plot(result, BENCHMARKS / png)
+    return [png]
 
 
 if __name__ == "__main__":
-    main()
+    run_benchmark("lanes", __doc__, run, markdown, FULL, QUICK, figures)

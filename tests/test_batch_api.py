@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from test_server import MODEL, _free_port, server  # noqa: F401 -- the shared live server
+from live_server import MODEL, free_port
+from test_server import server  # noqa: F401 -- the shared live server
 
 
 def _jsonl(lines: list[dict]) -> bytes:
@@ -108,7 +109,7 @@ def test_upload_needs_purpose_batch(server):  # noqa: F811
 def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tmp_path):
     """SIGKILL while a batch runs, restart on the same data directory: every input line has
     exactly one output line."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--data-dir", str(tmp_path),
            "--kernel", "int8", "--keys-db", str(tmp_path / "keys.sqlite")]

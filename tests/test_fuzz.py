@@ -8,12 +8,14 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from test_server import _running_server
+from live_server import make_meter, running_server
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(make_engine, tmp_path_factory):
-    yield from _running_server(make_engine(kernel="int8", max_model_len=48), batch_dir=tmp_path_factory.mktemp("fuzz"))
+    data = tmp_path_factory.mktemp("fuzz")
+    yield from running_server(make_engine(kernel="int8", max_model_len=48), batch_dir=data,
+                              meter=make_meter(data / "ledger.sqlite"))
 
 
 @pytest.fixture(scope="module")

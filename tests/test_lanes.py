@@ -267,3 +267,12 @@ def test_default_tiers_are_consistent():
     assert not tiers["fast"].preemptible and tiers["standard"].preemptible
     assert tiers["fast"].price_output_per_m > tiers["standard"].price_output_per_m > tiers["batch"].price_output_per_m
     SchedulerConfig(int8_max_tokens=32).validate()
+
+
+def test_int8_is_never_chosen_past_the_measured_crossover():
+    """The model has only seen int8 steps up to the crossover; past it, however cheap its
+    extrapolation says int8 is, the dense kernel runs."""
+    cheap_int8 = StepTimeModel({"int8": [0.01, 0.0001, 0.0, 0.0, 0.0], "fp32": [0.5, 0.01, 0.0, 0.0, 0.0]})
+    sched = Scheduler(SchedulerConfig(int8_max_tokens=32, num_blocks=64), cheap_int8, Clock())
+    assert sched.kernel_for(StepShape("").plus(0, 32, 1)) == "int8"
+    assert sched.kernel_for(StepShape("").plus(0, 33, 1)) == "fp32"

@@ -3,52 +3,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from tollway.async_engine import AsyncEngine
 from tollway.request import SamplingParams
-from tollway.server.app import create_app
 from tollway.config import KeySpec
 from tollway.server.keys import Gatekeeper, KeyDatabase
 from tollway.server.metrics import Metrics
 
-MODEL = "gemma3-270m"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _running_server(engine, metrics=None, gatekeeper=None, batch_dir=None):
-    """uvicorn on a free loopback port in a thread; yields its details, then stops it."""
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
-    port = _free_port()
-    app = create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "engine": async_engine, "sync": engine}
-    uv.should_exit = True
-    thread.join(10)
-    async_engine.shutdown()
+from live_server import MODEL, running_server
 
 
 @pytest.fixture(scope="module")
 def server(make_engine, tmp_path_factory):
-    yield from _running_server(make_engine(kernel="int8"), Metrics(MODEL), batch_dir=tmp_path_factory.mktemp("batches"))
+    yield from running_server(make_engine(kernel="int8"), Metrics(MODEL), batch_dir=tmp_path_factory.mktemp("batches"))
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +209,7 @@ KEYS = [KeySpec("sk-all", "all"), KeySpec("sk-std", "std", tiers=["standard", "b
 @pytest.fixture(scope="module")
 def keyed_server(make_engine, tmp_path_factory):
     database = KeyDatabase(tmp_path_factory.mktemp("keys") / "keys.sqlite")
-    for details in _running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(KEYS, database)):
+    for details in running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(KEYS, database)):
         yield {**details, "database": database}
 
 
@@ -290,7 +261,7 @@ def test_keys_from_the_database(keyed_server):
 def tiny_server(make_engine):
     engine = make_engine(kernel="int8", max_num_seqs=1)
     engine.scheduler.tiers["fast"].max_queue = 1
-    yield from _running_server(engine)
+    yield from running_server(engine)
 
 
 def test_a_full_queue_is_a_429_with_retry_after(tiny_server):

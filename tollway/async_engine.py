@@ -59,9 +59,10 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
         """on_step(engine, plan, result, outputs): called on the engine thread after every
-        step that ran, e.g. to update metrics."""
+        step that ran, before its outputs are handed out (metrics, the meter); more can be
+        added with observe()."""
         self.engine = engine
-        self.on_step = on_step
+        self._observers = (on_step,) if on_step is not None else ()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -86,6 +87,10 @@ class AsyncEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    def observe(self, on_step) -> None:
+        """Call on_step(engine, plan, result, outputs) after every step from now on."""
+        self._observers = (*self._observers, on_step)  # one assignment: the engine thread sees old or new
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -121,10 +126,11 @@ class AsyncEngine:
                 self._drain(block)
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
+                    if self.engine.last_plan.seqs:
+                        for observe in self._observers:
+                            observe(self.engine, self.engine.last_plan, self.engine.last_result, outputs)
                     for out in outputs:
                         self._deliver(out.request_id, out, last=out.finished)
-                    if self.on_step is not None and self.engine.last_plan.seqs:
-                        self.on_step(self.engine, self.engine.last_plan, self.engine.last_result, outputs)
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
             self.error = e
             for rid in list(self._outputs):

@@ -1,4 +1,5 @@
-"""Command line: tollway serve (the OpenAI-compatible server), tollway keys, tollway generate "prompt"."""
+"""Command line: tollway serve (the OpenAI-compatible server), tollway keys, tollway generate "prompt",
+tollway usage and tollway report (the ledger)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from platformdirs import user_data_dir
 from tollway.config import (
     KERNELS, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
 )
+from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams
 
 
@@ -42,7 +44,56 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--rpm", type=int, help="requests per minute")
     keys.add_argument("--tpm", type=int, help="tokens per minute")
     keys.add_argument("--keys-db", help=f"default {default_keys_db()}")
+    usage = sub.add_parser("usage", help="usage from the ledger, grouped, as a table or CSV")
+    usage.add_argument("--group-by", default="tier", choices=GROUPS)
+    usage.add_argument("--start", help="unix seconds or ISO 8601 (UTC unless it says); inclusive")
+    usage.add_argument("--end", help="exclusive")
+    usage.add_argument("--format", default="table", choices=("table", "csv"))
+    add_ledger_arguments(usage)
+    report = sub.add_parser("report", help="economics per tier from the ledger: cost, price, margin, fast premium")
+    report.add_argument("--start")
+    report.add_argument("--end")
+    add_ledger_arguments(report)
     return parser
+
+
+def add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ledger", help="the ledger's SQLite file (default: the one `tollway serve` writes)")
+    parser.add_argument("--config", help="the server's TOML file, for its [meter] ledger and [server] data_dir")
+    parser.add_argument("--data-dir", help=f"default {user_data_dir('tollway')}")
+
+
+def default_ledger(server: ServerConfig) -> Path:
+    return Path(server.meter.ledger or Path(server.data_dir or user_data_dir("tollway")) / "ledger.sqlite")
+
+
+def _open_ledger(args):
+    from tollway.meter.ledger import Ledger
+
+    server = load_server_config(args.config) if args.config else ServerConfig()
+    if args.data_dir:
+        server.data_dir = args.data_dir
+    path = Path(args.ledger) if args.ledger else default_ledger(server)
+    if not path.is_file():
+        raise ValueError(f"no ledger at {path}")
+    return Ledger(path)
+
+
+def _usage(args) -> int:
+    from tollway.meter.ledger import parse_time
+    from tollway.meter.report import format_csv, format_table
+
+    rows = _open_ledger(args).usage(args.group_by, parse_time(args.start, "--start"), parse_time(args.end, "--end"))
+    print(format_csv(rows) if args.format == "csv" else format_table(rows), end="" if args.format == "csv" else "\n")
+    return 0
+
+
+def _report(args) -> int:
+    from tollway.meter.ledger import parse_time
+    from tollway.meter.report import economics, format_report
+
+    print(format_report(economics(_open_ledger(args), parse_time(args.start, "--start"), parse_time(args.end, "--end"))))
+    return 0
 
 
 def default_keys_db() -> Path:
@@ -120,6 +171,7 @@ def _serve(args) -> int:
     config = engine_config(args)
     name = server.served_model_name or config.model
     metrics = Metrics(name)
+    meter = _meter(server, config)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
     try:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
@@ -127,11 +179,27 @@ def _serve(args) -> int:
                   file=sys.stderr)
         print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1", file=sys.stderr)
         batch_dir = Path(server.data_dir or user_data_dir("tollway")) / "batches"
-        uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir), host=server.host, port=server.port,
-                    log_level="warning")
+        print(f"tollway: ledger {meter.ledger.path}", file=sys.stderr)
+        uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,
+                    port=server.port, log_level="warning")
     finally:
         engine.shutdown()
+        if meter.budgets.webhook is not None:
+            meter.budgets.webhook.close()
     return 0
+
+
+def _meter(server: ServerConfig, config: EngineConfig):
+    from tollway.meter.budgets import Budgets
+    from tollway.meter.ledger import Ledger
+    from tollway.meter.meter import Meter
+    from tollway.meter.price_card import PriceCard
+    from tollway.meter.webhook import Webhook
+
+    ledger = Ledger(default_ledger(server))
+    webhook = Webhook(server.meter.webhook) if server.meter.webhook else None
+    return Meter(PriceCard(server.meter.price_per_hour, config.scheduler.tiers), ledger,
+                 Budgets(server.meter.budgets, ledger, webhook))
 
 
 def _keys(args) -> int:
@@ -164,7 +232,8 @@ def _is_loopback(host: str, ipaddress) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        return {"serve": _serve, "keys": _keys, "generate": _generate}[args.command](args)
+        commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report}
+        return commands[args.command](args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)
         return 2

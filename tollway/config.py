@@ -159,6 +159,52 @@ class KeySpec:
                 raise ValueError(f"key {self.name or '?'}: rpm and tpm must be >= 1")
 
 
+PERIODS = ("daily", "monthly")
+ALERT_THRESHOLDS = (0.5, 0.8, 1.0)
+
+
+@dataclass
+class BudgetSpec:
+    """A spending limit, in billed dollars, for one API key (by name) or one tag, per UTC day
+    or calendar month. Alerts fire at 50%, 80% and 100%; with hard_cap, new requests are then
+    refused until the period resets (running ones always finish)."""
+
+    limit: float
+    key: str | None = None
+    tag: str | None = None
+    period: str = "monthly"
+    hard_cap: bool = True
+
+    @property
+    def scope(self) -> tuple[str, str]:
+        return ("key", self.key) if self.key is not None else ("tag", self.tag)
+
+    def validate(self) -> None:
+        if (self.key is None) == (self.tag is None):
+            raise ValueError("a budget names exactly one of key or tag")
+        if self.period not in PERIODS:
+            raise ValueError(f"budget period must be one of {', '.join(PERIODS)}, got {self.period!r}")
+        if not self.limit > 0:
+            raise ValueError(f"budget limit must be > 0, got {self.limit!r}")
+
+
+@dataclass
+class MeterConfig:
+    """The machine's price, which turns engine seconds into cost, and where the ledger lives.
+    Billed prices per token are the tiers' (TierSpec)."""
+
+    price_per_hour: float = 2.50  # dollars per hour of engine time
+    ledger: str | None = None  # SQLite file; None: ledger.sqlite in the server's data directory
+    webhook: str | None = None  # budget alerts are POSTed here as JSON
+    budgets: list[BudgetSpec] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.price_per_hour < 0:
+            raise ValueError(f"meter price_per_hour must be >= 0, got {self.price_per_hour!r}")
+        for budget in self.budgets:
+            budget.validate()
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -166,16 +212,17 @@ class ServerConfig:
     served_model_name: str | None = None
     keys: list[KeySpec] = field(default_factory=list)
     keys_db: str | None = None  # a SQLite file of further keys (`tollway keys add`)
-    data_dir: str | None = None  # Batch API files and jobs; None: under the user's data directory
+    data_dir: str | None = None  # Batch API files, jobs and the ledger; None: under the user's data directory
+    meter: MeterConfig = field(default_factory=MeterConfig)
 
 
 def load_config(path: str | Path) -> EngineConfig:
     """An EngineConfig from TOML: top-level engine fields, a [scheduler] table, and
-    [tiers.<name>] tables that override the defaults field by field. ([server] and [[keys]]
-    are the server's: load_server_config.)"""
+    [tiers.<name>] tables that override the defaults field by field. ([server], [[keys]],
+    [meter] and [[budgets]] are the server's: load_server_config.)"""
     data = _read_toml(path)
-    data.pop("server", None)
-    data.pop("keys", None)
+    for server_only in ("server", "keys", "meter", "budgets"):
+        data.pop(server_only, None)
     sched = _table(data.pop("scheduler", {}), "[scheduler]", path)
     tiers = default_tiers()
     for name, fields in _table(data.pop("tiers", {}), "[tiers]", path).items():
@@ -189,15 +236,18 @@ def load_config(path: str | Path) -> EngineConfig:
 
 
 def load_server_config(path: str | Path) -> ServerConfig:
-    """The [server] table and [[keys]] entries of the same TOML file."""
+    """The [server] table, [[keys]] entries, [meter] table and [[budgets]] entries of the same TOML file."""
     data = _read_toml(path)
     config = _replace(ServerConfig(), _table(data.get("server", {}), "[server]", path), "server", path)
-    keys = data.get("keys", [])
-    if not isinstance(keys, list):
-        raise ValueError(f"config {path}: keys must be an array of tables ([[keys]])")
-    config.keys = [_replace(KeySpec(key=""), _table(k, "[[keys]]", path), "keys", path) for k in keys]
+    config.keys = [_replace(KeySpec(key=""), k, "keys", path) for k in _array(data, "keys", path)]
     for key in config.keys:
         key.validate()
+    config.meter = _replace(MeterConfig(), _table(data.get("meter", {}), "[meter]", path), "meter", path)
+    config.meter.budgets = [_replace(BudgetSpec(limit=0.0), b, "budgets", path) for b in _array(data, "budgets", path)]
+    try:
+        config.meter.validate()
+    except ValueError as e:
+        raise ValueError(f"config {path}: {e}") from None
     return config
 
 
@@ -208,6 +258,13 @@ def _read_toml(path: str | Path) -> dict:
         raise ValueError(f"cannot read config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config {path} is not valid TOML: {e}") from None
+
+
+def _array(data: dict, name: str, path) -> list[dict]:
+    items = data.get(name, [])
+    if not isinstance(items, list):
+        raise ValueError(f"config {path}: {name} must be an array of tables ([[{name}]])")
+    return [_table(item, f"[[{name}]]", path) for item in items]
 
 
 def _table(value, where: str, path) -> dict:
@@ -224,7 +281,8 @@ def _replace(obj, fields: dict, section: str, path):
     where = f"[{section}]" if section else "top level"
     known = {f.name: f.type for f in dataclasses.fields(obj)}
     # Fields a table cannot set: tables of their own, or a tier's identity.
-    fixed = {EngineConfig: {"scheduler"}, SchedulerConfig: {"tiers"}, TierSpec: {"name"}, ServerConfig: {"keys"}}
+    fixed = {EngineConfig: {"scheduler"}, SchedulerConfig: {"tiers"}, TierSpec: {"name"},
+             ServerConfig: {"keys", "meter"}, MeterConfig: {"budgets"}}
     unknown = set(fields) - (set(known) - fixed.get(type(obj), set()))
     if unknown:
         raise ValueError(f"config {path}: unknown key(s) {', '.join(sorted(unknown))} in {where}")

@@ -82,17 +82,17 @@ void qk_norm_rope(const float *qkv, int64_t stride, int64_t rows, int64_t heads,
 }
 
 /* e^z for z in [-87, 88], to about 2 ulp: z = n ln2 + r with |r| <= ln2 / 2, e^r by its
-   Taylor series, 2^n built in the exponent bits. Plain arithmetic, so the loop vectorizes. */
+   Taylor series, 2^n built in the exponent bits. Branch-free plain arithmetic, so loops over
+   it vectorize. */
 static inline float exp_poly(float z) {
-    z = z < -87.0f ? -87.0f : (z > 88.0f ? 88.0f : z);
+    z = z < -87.0f ? -87.0f : z;
+    z = z > 88.0f ? 88.0f : z;
     float t = z * 1.44269504088896341f;
-    int32_t n = (int32_t)(t + (t >= 0.0f ? 0.5f : -0.5f));
-    float r = z - (float)n * 0.693145751953125f - (float)n * 1.42860682030941723e-6f;
+    float n = (t + 12582912.0f) - 12582912.0f;  /* t rounded to an integer: 1.5 * 2^23 shifts the fraction out */
+    float r = z - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
     float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    int32_t bits = (n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
 }
 
 /* out[t] = act(gate[t]) * up[t], with gate_up rows [gate (width) | up (width)].

@@ -33,8 +33,9 @@ from tollway.model.weights import cache_root
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("row_ops.c")
-# No -ffast-math: linking with it would switch the whole process to flush-to-zero.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+# No -ffast-math: linking with it would switch the whole process to flush-to-zero. Without
+# trapping math, loops with float compares can vectorize.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
 

@@ -202,11 +202,14 @@ class Scheduler:
     def kernel_for(self, shape: StepShape, headroom: dict[str, float] | None = None) -> str:
         """The linear-layer kernel a step of this shape runs with. With kernel="auto" and a step
         model, the loaded kernel predicted fastest (stretched by `headroom` when shaping to a
-        target), so adding work never makes a step look faster; else the measured crossover."""
+        target), so adding work never makes a step look faster; else the measured crossover.
+        int8 is a candidate only up to the crossover: past it the model has never seen int8
+        steps, and its extrapolation is not to be trusted."""
         config, model = self.config, self.step_model
         if config.kernel != "auto" or model is None:
             return config.kernel_for(shape.tokens)
-        known = [k for k in sorted(config.kernels_to_load()) if k in model.coefficients]
+        known = [k for k in sorted(config.kernels_to_load()) if k in model.coefficients
+                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)]
         if not known:
             return config.kernel_for(shape.tokens)
         headroom = headroom or {}

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics.
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
+/v1/usage, /health, /metrics.
 
 Handlers only translate: requests become engine requests through the AsyncEngine, outputs
 become OpenAI responses or SSE chunks. A streaming client that goes away cancels its
@@ -7,6 +7,7 @@ response, which aborts its engine requests and frees their KV blocks at once.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,13 +20,16 @@ from pydantic import ValidationError
 
 from tollway.async_engine import AsyncEngine
 from tollway.config import KeySpec
+from tollway.meter.budgets import BudgetExceeded
+from tollway.meter.ledger import GROUPS, parse_time
+from tollway.meter.meter import Meter
 from tollway.server import errors
 from tollway.server.batch_api import batch_router
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
 from tollway.server.errors import APIError
 from tollway.server.generation import (
-    Generation, completion_logprobs, sampling_params, token_entry, token_prompts,
+    Generation, completion_logprobs, ledger_row, request_tags, sampling_params, token_entry, token_prompts,
 )
 from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
@@ -34,11 +38,15 @@ from tollway.server.service_tier import tier_for
 
 
 def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
-               gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | None = None) -> FastAPI:
+               gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | None = None,
+               meter: Meter | None = None) -> FastAPI:
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
-    `batch_dir` holds the Batch API's files and jobs (None: no Batch API)."""
+    `batch_dir` holds the Batch API's files and jobs (None: no Batch API). `meter` attributes
+    engine time, keeps the ledger and enforces budgets (None: no metering)."""
     runner: BatchRunner | None = None
+    if meter is not None:
+        engine.observe(meter.on_step)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -75,25 +83,48 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "tollway", "max_model_len": max_model_len}]}
 
+    @app.get("/v1/usage")
+    async def usage(group_by: str = "tier", start: str | None = None, end: str | None = None,
+                    key: KeySpec | None = Depends(caller)) -> dict:
+        """Totals per key, tier, tag or model over [start, end) (unix seconds or ISO 8601).
+        With API keys on, a key sees only its own requests."""
+        if meter is None:
+            raise APIError(404, "metering is off")
+        if group_by not in GROUPS:
+            raise APIError(400, f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
+        window = []
+        for value, name in ((start, "start"), (end, "end")):
+            try:
+                window.append(parse_time(value, name))
+            except ValueError as e:
+                raise APIError(400, str(e), param=name) from None
+        rows = await asyncio.to_thread(meter.ledger.usage, group_by, *window, key.name if key else None)
+        return {"object": "list", "data": rows}
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, key: KeySpec | None = Depends(caller)):
-        return await _serve(req, "completion", key)
+    async def completions(req: CompletionRequest, key: KeySpec | None = Depends(caller),
+                          x_tollway_tags: str | None = Header(default=None)):
+        return await _serve(req, "completion", key, request_tags(req, x_tollway_tags))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, key: KeySpec | None = Depends(caller)):
-        return await _serve(req, "chat", key)
+    async def chat_completions(req: ChatCompletionRequest, key: KeySpec | None = Depends(caller),
+                               x_tollway_tags: str | None = Header(default=None)):
+        return await _serve(req, "chat", key, request_tags(req, x_tollway_tags))
 
-    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None):
+    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None,
+                     tags: list[str]):
         tier = gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
-        gen = await _start(req, kind, tier, key)
+        gen = await _start(req, kind, tier, key, tags)
         echo = kind == "completion" and req.echo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(gen, include_usage, echo), media_type="text/event-stream")
-        return JSONResponse(await _collect(gen, echo))
+        body = await _collect(gen, echo)
+        headers = {"x-tollway-cost": f"{body['usage']['cost']:.10f}"} if meter is not None else None
+        return JSONResponse(body, headers=headers)
 
     async def _start(req: CompletionRequest | ChatCompletionRequest, kind: str, tier: str,
-                     key: KeySpec | None) -> Generation:
+                     key: KeySpec | None, tags: list[str]) -> Generation:
         """Check the request against the model and the key's limits, and submit its choices."""
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
@@ -113,17 +144,47 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                                 f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0 if req.logprobs else None) if kind == "chat" else req.logprobs
         params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+        gen.key, gen.tags = key.name if key else "", tags
+        if meter is not None:
+            try:
+                meter.budgets.check(gen.key, tags)
+            except BudgetExceeded as e:
+                raise APIError(429, str(e), code="budget_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
         gatekeeper.admit(key, sum(len(p) for p in prompts) + max_tokens * req.n * len(prompts))
-        await gen.start(engine, prompts, params)
+        if meter is not None:
+            gen.metered = True
+            meter.watch(gen.request_ids(len(prompts) * req.n))
+        try:
+            await gen.start(engine, prompts, params)
+        except BaseException:
+            if meter is not None:  # refused before any engine work: nothing to record
+                gen.metered = False
+                meter.release(gen.request_ids(len(prompts) * req.n))
+            raise
         return gen
+
+    async def _settle(gen: Generation, wait: bool = True) -> None:
+        """Write the request's ledger row (durably, before its response ends, when `wait`),
+        and put its cost and price into gen.usage()."""
+        if not gen.metered:
+            return
+        gen.metered = False
+        row = ledger_row(gen, meter)
+        gen.cost, gen.price = row.cost, row.price
+        if wait:
+            await asyncio.to_thread(meter.settle, row)
+        else:  # the caller is gone (or going): record it without holding anyone up
+            asyncio.get_running_loop().run_in_executor(None, meter.settle, row)
 
     async def _collect(gen: Generation, echo: bool) -> dict:
         """Run the choices to the end: the non-streaming response body."""
         try:
             async for choice, out in gen.updates():
                 _absorb(choice, out)
+            await _settle(gen)
         finally:
             gen.abort()
+            await _settle(gen, wait=False)
         return gen.envelope([_final_choice(gen, c, echo) for c in gen.choices], usage=gen.usage())
 
     async def complete_in_batch_lane(url: str, body: dict) -> dict:
@@ -140,7 +201,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                            param=str(first["loc"][0]) if first["loc"] else None) from None
         if req.stream:
             raise APIError(400, "stream is not supported in a batch", param="stream")
-        return await _collect(await _start(req, kind, "batch", None), kind == "completion" and req.echo)
+        return await _collect(await _start(req, kind, "batch", None, request_tags(req, None)),
+                              kind == "completion" and req.echo)
 
     if batch_dir is not None:
         store = BatchStore(batch_dir)
@@ -151,6 +213,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         """Fold an output into its choice; returns the new text and new logprob entries."""
         new_logprobs = out.logprobs[len(choice.logprobs):]
         choice.text, choice.token_ids, choice.logprobs = out.text, list(out.token_ids), list(out.logprobs)
+        choice.output = out
         if out.finished:
             choice.finish_reason = out.finish_reason
         return out.new_text, new_logprobs
@@ -184,6 +247,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                 started.add(choice.index)
                 extra = {"usage": None} if include_usage else {}
                 yield _event(gen.envelope([body], chunk=True, **extra))
+            await _settle(gen)
             if include_usage:
                 yield _event(gen.envelope([], chunk=True, usage=gen.usage()))
         except APIError as e:  # too late for a status code: the error goes in the stream
@@ -192,6 +256,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
             yield _event(errors.error_body(500, f"internal error: {type(e).__name__}"))
         finally:
             gen.abort()
+            await _settle(gen, wait=False)
         yield "data: [DONE]\n\n"
 
     return app

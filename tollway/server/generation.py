@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tollway.async_engine import AsyncEngine, RequestStream
+from tollway.meter.ledger import LedgerRow
 from tollway.model.tokenizer import Tokenizer
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
@@ -28,6 +29,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    output: RequestOutput | None = None  # the latest from the engine: token counts and times
 
 
 class Generation:
@@ -36,9 +38,14 @@ class Generation:
     def __init__(self, kind: str, model: str, tier: str):
         self.kind = kind  # "completion" | "chat"
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
+        self.arrived = time.time()
+        self.created = int(self.arrived)
         self.model = model
         self.tier = tier
+        self.key, self.tags = "", []  # the API key's name and the request's tags, for the ledger
+        self.metered = False  # watched by the meter and not yet settled
+        self.cost: float | None = None  # set when settled
+        self.price: float | None = None
         self.prompts: list[list[int]] = []
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
@@ -52,13 +59,20 @@ class Generation:
                 for i, sp in enumerate(params):
                     index = p * len(params) + i
                     self.choices.append(Choice(index, prompt))
-                    self.streams.append(await engine.add(prompt, sp, self.tier, f"{self.id}-{index}"))
+                    self.streams.append(await engine.add(prompt, sp, self.tier, self.request_id(index)))
         except QueueFullError as e:
             self.abort()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except ValueError as e:
             self.abort()
             raise APIError(400, str(e), code="invalid_value") from None
+
+    def request_id(self, index: int) -> str:
+        """The engine request id of choice `index`."""
+        return f"{self.id}-{index}"
+
+    def request_ids(self, count: int) -> list[str]:
+        return [self.request_id(i) for i in range(count)]
 
     def abort(self) -> None:
         """Withdraw every choice still running (a no-op for finished ones)."""
@@ -93,7 +107,10 @@ class Generation:
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)  # once per prompt, however many choices
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cost is not None:
+            usage |= {"cost": self.cost, "price": self.price}
+        return usage
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": self._object(extra.pop("chunk", False)), "created": self.created,
@@ -103,6 +120,43 @@ class Generation:
         if self.kind == "chat":
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
+
+
+MAX_TAGS = 16
+
+
+def request_tags(req: SamplingFields, header: str | None) -> list[str]:
+    """A request's tags: its `metadata` pairs as "key=value", then the comma-separated
+    x-tollway-tags header."""
+    tags = [f"{k}={v}" for k, v in (req.metadata or {}).items()]
+    tags += [t.strip() for t in (header or "").split(",") if t.strip()]
+    tags = list(dict.fromkeys(tags))
+    if len(tags) > MAX_TAGS or any(len(t) > 128 for t in tags):
+        raise APIError(400, f"at most {MAX_TAGS} tags of up to 128 characters each (metadata and x-tollway-tags)",
+                       param="metadata")
+    return tags
+
+
+def ledger_row(gen: Generation, meter) -> LedgerRow:
+    """The ledger's row for a finished (or abandoned) API call: every choice summed."""
+    outs = [c.output for c in gen.choices if c.output is not None]
+    usage = gen.usage()
+    n = len(gen.choices) // max(1, len(gen.prompts))
+    cached = sum(c.output.num_cached_prompt_tokens for c in gen.choices[::max(1, n)] if c.output is not None)
+    arrival = min((o.arrival_time for o in outs), default=None)
+    scheduled = [o.first_scheduled_time for o in outs if o.first_scheduled_time is not None]
+    first_tokens = [o.first_token_time for o in outs if o.first_token_time is not None]
+    seconds = meter.release(gen.request_ids(len(gen.choices)))
+    finish = {c.finish_reason or "abort" for c in gen.choices}
+    return LedgerRow(
+        id=gen.id, created=gen.arrived, key=gen.key, tier=gen.tier, model=gen.model,
+        prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"], cached_tokens=cached,
+        queue_seconds=min(scheduled) - arrival if scheduled else None,
+        ttft_seconds=min(first_tokens) - arrival if first_tokens else None,
+        e2e_seconds=time.time() - gen.arrived, engine_seconds=seconds, cost=meter.cost(seconds),
+        price=meter.price_card.billed(gen.tier, usage["prompt_tokens"], usage["completion_tokens"]),
+        finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
+    )
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int) -> SamplingParams:

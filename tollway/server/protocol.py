@@ -28,6 +28,7 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     user: str | None = None
     service_tier: str | None = None
+    metadata: dict[str, str] | None = None  # becomes the request's tags in the ledger ("key=value")
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)  # -1 and 0 both disable
     min_tokens: int = Field(default=0, ge=0)

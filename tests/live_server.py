@@ -1,0 +1,48 @@
+"""A real tollway server on a free loopback port, in a thread: for the server tests."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from tollway.async_engine import AsyncEngine
+from tollway.config import default_tiers
+from tollway.meter.budgets import Budgets
+from tollway.meter.ledger import Ledger
+from tollway.meter.meter import Meter
+from tollway.meter.price_card import PriceCard
+from tollway.server.app import create_app
+
+MODEL = "gemma3-270m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=None):
+    """uvicorn on a free loopback port in a thread; yields its details, then stops it."""
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
+    port = free_port()
+    app = create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir, meter)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "engine": async_engine, "sync": engine}
+    uv.should_exit = True
+    thread.join(10)
+    async_engine.shutdown()
+
+
+def make_meter(ledger_path, budgets=(), webhook=None, clock=time.time, price_per_hour=3.6) -> Meter:
+    """A meter on a real ledger; 3.6 $/h is 0.001 $ per engine second."""
+    ledger = Ledger(ledger_path)
+    return Meter(PriceCard(price_per_hour, default_tiers()), ledger, Budgets(list(budgets), ledger, webhook, clock))

@@ -1,0 +1,112 @@
+"""The ledger: rows in and usage out of a real SQLite file, concurrent writers, the CLI views."""
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tollway.cli import main
+from tollway.meter.ledger import Ledger, LedgerRow, parse_time
+from tollway.meter.report import economics
+
+
+def row(rid, tier="standard", key="alice", tags=(), created=1000.0, prompt=10, completion=20, seconds=0.5,
+        price_per_second=0.001, price=0.01):
+    return LedgerRow(id=rid, created=created, key=key, tier=tier, model="m", prompt_tokens=prompt,
+                     completion_tokens=completion, cached_tokens=0, queue_seconds=0.01, ttft_seconds=0.1,
+                     e2e_seconds=1.0, engine_seconds=seconds, cost=seconds * price_per_second, price=price,
+                     finish_reason="length", tags=list(tags))
+
+
+def test_rows_round_trip_and_usage_groups(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.record(row("a", "fast", tags=["team=x", "nightly"], created=100, seconds=2.0))
+    ledger.record(row("b", "standard", key="bob", tags=["team=x"], created=200))
+    ledger.record(row("c", "standard", created=300))
+    assert [r.id for r in ledger.rows()] == ["a", "b", "c"]
+    assert ledger.rows()[0].tags == ["team=x", "nightly"]
+    by_tier = {r["tier"]: r for r in ledger.usage("tier")}
+    assert by_tier["standard"]["requests"] == 2 and by_tier["standard"]["completion_tokens"] == 40
+    assert by_tier["fast"]["cost"] == pytest.approx(0.002)
+    assert by_tier["fast"]["margin"] == pytest.approx(0.01 - 0.002)
+    by_tag = {r["tag"]: r["requests"] for r in ledger.usage("tag")}
+    assert by_tag == {"nightly": 1, "team=x": 2}
+    assert [r["key"] for r in ledger.usage("key", start=150)] == ["alice", "bob"]
+    assert [r["requests"] for r in ledger.usage("tier", start=150, end=300)] == [1]  # end is exclusive
+    assert ledger.usage("tier", key="bob")[0]["requests"] == 1
+    with pytest.raises(ValueError, match="group_by"):
+        ledger.usage("colour")
+
+
+def test_a_row_is_on_disk_when_record_returns(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path).record(row("a"))
+    other = sqlite3.connect(path)  # another connection, as another process would see it
+    assert other.execute("SELECT id FROM requests").fetchall() == [("a",)]
+    assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_concurrent_writers_never_corrupt_it(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path)
+    script = textwrap.dedent(f"""
+        import sys, threading
+        from tollway.meter.ledger import Ledger, LedgerRow
+        ledger = Ledger({str(path)!r})
+        def write(t):
+            for i in range(40):
+                ledger.record(LedgerRow(f"{{sys.argv[1]}}-{{t}}-{{i}}", 1.0, "k", "standard", "m", 1, 1, 0, None, None,
+                                        0.1, 0.1, 0.1, 0.1, "stop", [f"t{{t}}"]))
+        threads = [threading.Thread(target=write, args=(t,)) for t in range(3)]
+        [th.start() for th in threads]
+        [th.join() for th in threads]
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, f"p{p}"]) for p in range(3)]
+    assert all(p.wait(120) == 0 for p in procs)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3 * 3 * 40
+    assert db.execute("SELECT COUNT(*) FROM request_tags").fetchone()[0] == 3 * 3 * 40
+
+
+def test_economics_measures_the_fast_premium(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.record(row("f", "fast", completion=100, seconds=3.0, price=0.5))
+    ledger.record(row("s", "standard", completion=300, seconds=1.0, price=0.3))
+    report = economics(ledger)
+    fast, standard = report["tiers"]["fast"], report["tiers"]["standard"]
+    assert fast["cost_per_m_output"] == pytest.approx(3.0 * 0.001 / 100 * 1e6)
+    assert report["fast_premium"] == pytest.approx((3.0 / 100) / (1.0 / 300))
+    assert standard["price_per_m_output"] == pytest.approx(0.3 / 300 * 1e6)
+    assert economics(Ledger(tmp_path / "empty.sqlite"))["fast_premium"] is None
+
+
+def test_cli_usage_and_report(tmp_path, capsys):
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path)
+    ledger.record(row("f", "fast", completion=100, seconds=3.0))
+    ledger.record(row("s", "standard", key="bob", completion=300, seconds=1.0))
+    assert main(["usage", "--ledger", str(path), "--group-by", "key", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("key,requests,prompt_tokens") and lines[1].startswith("alice,1,") and len(lines) == 3
+    assert main(["usage", "--ledger", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "fast" in table and "standard" in table and "margin" in table
+    assert main(["report", "--ledger", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "fast premium" in out and "9.00x" in out
+    assert main(["usage", "--ledger", str(tmp_path / "missing.sqlite")]) == 2
+    assert "no ledger at" in capsys.readouterr().err
+    assert main(["usage", "--ledger", str(path), "--start", "last tuesday"]) == 2
+    assert "--start must be unix seconds or an ISO 8601 date" in capsys.readouterr().err
+
+
+def test_parse_time():
+    assert parse_time("1700000000", "start") == 1700000000.0
+    assert parse_time("2026-11-29", "start") == parse_time("2026-11-29T00:00:00+00:00", "start")
+    assert parse_time(None, "start") is None
+    with pytest.raises(ValueError, match="finite"):
+        parse_time("nan", "start")

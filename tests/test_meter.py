@@ -1,0 +1,60 @@
+"""The meter on the real engine: over a mixed run of all three lanes, the attributed engine
+time adds up to the busy time, and under the lanes policy a fast token costs more than a
+standard one, while with the lanes off the two cost the same."""
+from __future__ import annotations
+
+import pytest
+
+from tollway.config import default_tiers
+from tollway.meter.ledger import Ledger
+from tollway.meter.meter import Meter
+from tollway.meter.price_card import PriceCard
+from tollway.request import SamplingParams
+from tollway.scheduler.step_model import StepTimeModel
+
+# Roughly this machine's int8 and fp32 steps; the lanes shape steps by this model.
+COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.004], "fp32": [0.060, 0.0020, 0.0120, 0.00002, 0.004]}
+
+
+def _mixed_run(make_engine, tmp_path, policy: str):
+    engine = make_engine(policy=policy, max_num_seqs=24)
+    engine.step_model = engine.scheduler.step_model = StepTimeModel(COEFFS)
+    meter = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / f"{policy}.sqlite"))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tiers = {}
+    for i in range(16):
+        tier = "standard" if i % 4 else "batch"
+        tiers[engine.add_request([1000 + i] * 24, params, tier=tier)] = tier
+    for i in range(2):
+        tiers[engine.add_request([2000 + i] * 24, params, tier="fast")] = "fast"
+    meter.watch(tiers)
+    capped = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        plan = engine.last_plan
+        capped += plan.budget_seconds is not None and {s.tier for s in plan.seqs} > {"fast"}
+        meter.on_step(engine, plan, engine.last_result, outputs)
+    seconds = {rid: meter.release([rid]) for rid in tiers}
+    return meter, seconds, tiers, capped
+
+
+def _per_token(seconds, tiers, tier):
+    return sum(s for rid, s in seconds.items() if tiers[rid] == tier) / sum(t == tier for t in tiers.values())
+
+
+def test_attributed_time_adds_up_to_busy_time_over_a_mixed_run(make_engine, tmp_path):
+    meter, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "lanes")
+    assert capped > 0  # fast requests shaped steps that others rode in
+    assert set(tiers.values()) == {"fast", "standard", "batch"}
+    assert sum(seconds.values()) == pytest.approx(meter.busy_seconds, rel=1e-9)
+    assert meter.attributed_seconds == pytest.approx(meter.busy_seconds, rel=1e-9)
+    assert all(s > 0 for s in seconds.values())
+
+
+def test_fast_tokens_cost_more_under_lanes_and_the_same_without(make_engine, tmp_path):
+    _, seconds, tiers, _ = _mixed_run(make_engine, tmp_path, "lanes")
+    # Every request has the same prompt and output length, so per request is per token.
+    assert _per_token(seconds, tiers, "fast") > 1.5 * _per_token(seconds, tiers, "standard")
+    _, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "fcfs")
+    assert capped == 0
+    assert _per_token(seconds, tiers, "fast") == pytest.approx(_per_token(seconds, tiers, "standard"), rel=0.25)

@@ -1,0 +1,60 @@
+"""The meter: every step's engine time attributed to the requests in it (attribution.py),
+summed per request, and settled into the ledger when the request ends.
+
+`on_step` runs on the engine thread before the step's outputs are handed out, so a request's
+engine seconds are complete by the time its handler sees it finish.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from tollway.meter.attribution import attribute
+from tollway.meter.budgets import Budgets
+from tollway.meter.ledger import Ledger, LedgerRow
+from tollway.meter.price_card import PriceCard
+from tollway.scheduler.plan import StepPlan, StepResult
+
+# Without a step model (profiling off), a step is split by tokens alone.
+_TOKENS_ONLY = [0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+class Meter:
+    def __init__(self, price_card: PriceCard, ledger: Ledger, budgets: Budgets | None = None):
+        self.price_card, self.ledger = price_card, ledger
+        self.budgets = budgets or Budgets([], ledger)
+        self._seconds: dict[str, float] = {}  # engine request id -> attributed seconds, while watched
+        self._lock = threading.Lock()
+        self.busy_seconds = 0.0  # every step's measured time
+        self.attributed_seconds = 0.0  # what attribute() handed out: equal to busy_seconds but for rounding
+
+    def on_step(self, engine, plan: StepPlan, result: StepResult, outputs) -> None:
+        model = engine.step_model
+        coefficients = model.coefficients.get(plan.kernel, _TOKENS_ONLY) if model is not None else _TOKENS_ONLY
+        shares = attribute(plan, result.seconds, coefficients, 1.0)
+        with self._lock:
+            self.busy_seconds += result.seconds
+            self.attributed_seconds += sum(shares.values())
+            for rid, seconds in shares.items():
+                if rid in self._seconds:
+                    self._seconds[rid] += seconds
+
+    def watch(self, request_ids: Iterable[str]) -> None:
+        """Start summing these engine requests' seconds (before they are submitted)."""
+        with self._lock:
+            for rid in request_ids:
+                self._seconds.setdefault(rid, 0.0)
+
+    def release(self, request_ids: Iterable[str]) -> float:
+        """Stop watching these requests; their engine seconds so far, summed."""
+        with self._lock:
+            return sum(self._seconds.pop(rid, 0.0) for rid in request_ids)
+
+    def cost(self, engine_seconds: float) -> float:
+        return engine_seconds * self.price_card.price_per_second
+
+    def settle(self, row: LedgerRow) -> None:
+        """Record a finished request (durably, before its response ends) and count it against
+        its budgets. Blocking: call it off the event loop."""
+        self.ledger.record(row)
+        self.budgets.add(row)
