@@ -56,11 +56,10 @@ class _Step:
         self.shape = StepShape("")
 
     def kernel(self, shape: StepShape) -> str:
-        return self.sched.kernel_for(shape, self.headroom)
+        return self.sched.fastest(shape, self.headroom)[0]
 
     def predict(self, shape: StepShape) -> float:
-        model = self.sched.step_model
-        return model.predict(shape.with_kernel(self.kernel(shape))) if model else 0.0
+        return self.sched.fastest(shape, self.headroom)[1]
 
     def budget(self) -> float | None:
         """The target in predicted seconds for this step's kernel: what the plan was fitted to."""
@@ -92,9 +91,8 @@ class _Step:
         """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
         if self.seconds is None:
             return True
-        shape = self.shape.plus(start, n, logit_rows)
-        kernel = self.kernel(shape)
-        return self.sched.step_model.predict(shape.with_kernel(kernel)) * self.headroom.get(kernel, 1.0) <= self.seconds
+        kernel, seconds = self.sched.fastest(self.shape.plus(start, n, logit_rows), self.headroom)
+        return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
@@ -133,6 +131,7 @@ class Scheduler:
         self._counter = 0
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
+        self._decode_shape: StepShape | None = None
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -200,20 +199,27 @@ class Scheduler:
         return len(self.running)
 
     def kernel_for(self, shape: StepShape, headroom: dict[str, float] | None = None) -> str:
-        """The linear-layer kernel a step of this shape runs with. With kernel="auto" and a step
-        model, the loaded kernel predicted fastest (stretched by `headroom` when shaping to a
-        target), so adding work never makes a step look faster; else the measured crossover.
-        int8 is a candidate only up to the crossover: past it the model has never seen int8
-        steps, and its extrapolation is not to be trusted."""
+        return self.fastest(shape, headroom)[0]
+
+    def fastest(self, shape: StepShape, headroom: dict[str, float] | None = None) -> tuple[str, float]:
+        """The linear-layer kernel a step of this shape runs with, and its predicted seconds (0
+        without a step model). With kernel="auto" and a step model, the loaded kernel predicted
+        fastest (stretched by `headroom` when shaping to a target), so adding work never makes
+        a step look faster; else the measured crossover. int8 is a candidate only up to the
+        crossover: past it the model has never seen int8 steps, and its extrapolation is not
+        to be trusted."""
         config, model = self.config, self.step_model
-        if config.kernel != "auto" or model is None:
-            return config.kernel_for(shape.tokens)
+        if model is None:
+            return config.kernel_for(shape.tokens), 0.0
         known = [k for k in sorted(config.kernels_to_load()) if k in model.coefficients
-                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)]
+                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)] if config.kernel == "auto" else []
         if not known:
-            return config.kernel_for(shape.tokens)
+            kernel = config.kernel_for(shape.tokens)
+            return kernel, model.predict(shape.with_kernel(kernel))
         headroom = headroom or {}
-        return min(known, key=lambda k: model.predict(shape.with_kernel(k)) * headroom.get(k, 1.0))
+        predicted = {k: model.predict(shape.with_kernel(k)) for k in known}
+        kernel = min(known, key=lambda k: predicted[k] * headroom.get(k, 1.0))
+        return kernel, predicted[kernel]
 
     def held_blocks(self, tier: str) -> int:
         return self._held[tier]
@@ -226,6 +232,7 @@ class Scheduler:
     def plan(self) -> StepPlan:
         self._step_id += 1
         self._in_flight = {}
+        self._decode_shape = None  # the running requests' decode step, for _may_admit_decode
         now = self.clock()
         fast_decoding = any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self.running.values())
         step = _Step(self, self._time_target(), fast_decoding)
@@ -239,8 +246,8 @@ class Scheduler:
             # and thrash; vLLM makes the same call. Fast is the exception: it preempts to get in.
             elif kind == "admit fast" or not preempted:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
-        kernel = step.kernel(step.shape)
-        predicted = step.predict(step.shape) if self.step_model and step.seqs else None
+        kernel, predicted = self.fastest(step.shape, step.headroom)
+        predicted = predicted if self.step_model and step.seqs else None
         return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget())
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
@@ -374,11 +381,17 @@ class Scheduler:
         slo = self.tiers["standard"].tpot_target
         if self.policy != "lanes" or self.step_model is None or slo is None or request.tier == "fast":
             return True
-        shape = StepShape("")
-        for r in self.running.values():
-            shape = shape.plus(r.num_tokens, 1, True)
-        shape = shape.plus(request.num_tokens, 1, True)
-        return self.step_model.predict(shape.with_kernel(self.kernel_for(shape))) <= slo
+        if self._decode_shape is None:  # built once per plan, then grown with each admission
+            self._decode_shape = StepShape("")
+            for r in self.running.values():
+                self._decode_shape = self._decode_shape.plus(r.num_tokens, 1, 1)
+        shape = self._decode_shape.plus(request.num_tokens, 1, 1)
+        if self.fastest(shape)[1] > slo:
+            return False
+        # Counted from here on even if its admission then fails, and preempted requests stay
+        # counted until the next plan: both only err on the safe side.
+        self._decode_shape = shape
+        return True
 
     def _fast_fits_to_the_end(self, request: Request) -> bool:
         """Fast is never preempted, so fast requests never compete for KV among themselves: one
