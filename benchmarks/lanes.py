@@ -95,8 +95,8 @@ class LoadRun:
                     self.add("standard", s["standard_prompt"], n, now)
                     active_standard += 1
                 while arrivals and arrivals[0] <= now:
-                    arrivals.pop(0)
-                    self.add("fast", s["fast_prompt"], s["fast_tokens"], now)
+                    # Its TTFT counts from when it arrived, mid-step if so, as a client's would.
+                    self.add("fast", s["fast_prompt"], s["fast_tokens"], arrivals.pop(0))
                 sched = engine.scheduler
                 waiting_standard = len(sched.waiting["standard"])
                 outputs = engine.step()
@@ -154,13 +154,18 @@ def shaping(run: dict, target: float) -> dict:
     by the step model's recent p97 overrun, so that measured steps meet the target."""
     fast_steps = [x for x in run["steps"] if x["in_window"] and x["fast_decodes"]]
     crowded = [x for x in fast_steps if x["standard_waiting"] and x["budget"] is not None]
+    # Steps planned past the budget on purpose: a newly arrived fast prompt always gets one
+    # block, so its first token is not held back by the others' TPOT.
+    planned_within = [x for x in fast_steps if x["budget"] is None or x["predicted"] <= x["budget"] * (1 + 1e-9)]
 
     def share(steps, ok):
         return sum(map(ok, steps)) / len(steps) if steps else None
 
     return {
         "fast_steps": len(fast_steps),
-        "measured_within_target": share(fast_steps, lambda x: x["seconds"] <= target),
+        "planned_within_budget": len(planned_within),
+        "measured_within_target": share(planned_within, lambda x: x["seconds"] <= target),
+        "measured_within_target_all": share(fast_steps, lambda x: x["seconds"] <= target),
         "crowded_steps": len(crowded),
         "planned_fill_mean": statistics.mean(x["predicted"] / x["budget"] for x in crowded) if crowded else None,
         "planned_fill_at_least_90pct": share(crowded, lambda x: x["predicted"] >= 0.9 * x["budget"]),
@@ -217,6 +222,7 @@ def run(settings: dict, quick: bool) -> dict:
         "machine": machine_info(),
         "settings": {**settings, "default_fast_target": default_target,
                      "standard_slo": base.tiers["standard"].tpot_target, "max_num_seqs": base.max_num_seqs,
+                     "fast_ttft_target": base.tiers["fast"].ttft_target, "fast_warm_for": base.tiers["fast"].warm_for,
                      "speculative_tokens": base.speculative_tokens},
         "step_model_start": engine.step_model.to_dict(),
     }
@@ -340,8 +346,11 @@ def markdown(r: dict, raw: str, png: str) -> str:
         f"{st['standard_tokens'] // 2}–{st['standard_tokens'] * 3 // 2} new tokens) and {r['fast_arrivals']} fast requests "
         f"arriving at random (~{st['fast_share']:.0%} of requests; {st['fast_prompt']}-token prompts, {st['fast_tokens']} "
         f"new tokens); {st['duration']:.0f} s measured after {st['warmup']:.0f} s of warm-up. Fast TPOT target "
-        f"{st['default_fast_target'] * 1e3:.0f} ms, standard p99 TPOT SLO {st['standard_slo']:.1f} s. "
-        f"Idle single stream: {r['idle']['tok_s']:.1f} tok/s, TTFT {r['idle']['ttft'] * 1e3:.0f} ms.",
+        f"{st['default_fast_target'] * 1e3:.0f} ms and TTFT target {st['fast_ttft_target'] * 1e3:.0f} ms (for "
+        f"{st['fast_warm_for']:.0f} s after fast traffic, steps are kept within half of it), standard p99 TPOT SLO "
+        f"{st['standard_slo']:.1f} s. "
+        f"Idle single stream: {r['idle']['tok_s']:.1f} tok/s, TTFT {r['idle']['ttft'] * 1e3:.0f} ms. A fast request's "
+        "TTFT counts from its arrival, which usually falls in the middle of a step that it must wait out.",
         "",
         "| policy | tier | tok/s per user | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tier tok/s | total tok/s |",
         "|---|---|---|---|---|---|---|",
@@ -364,8 +373,10 @@ def markdown(r: dict, raw: str, png: str) -> str:
         f"{f(s['planned_fill_at_least_90pct'], '.0%')} were planned to ≥ 90% of their budget (mean planned fill "
         f"{f(sh['planned_fill_mean'], '.0%')}; the budget averaged {f(sh['budget_over_target_mean'], '.0%')} of the "
         f"target after the step model's p97 overrun, and measured steps filled {f(sh['measured_fill_mean'], '.0%')} of "
-        f"the target); {f(s['measured_within_target'], '.0%')} of {sh['fast_steps']} fast steps "
-        f"measured within the target (≥ 95%); without fast traffic lanes ran at {f(s['lanes_over_fcfs_without_fast'])}× "
+        f"the target); {f(s['measured_within_target'], '.0%')} of the {sh['planned_within_budget']} fast steps planned "
+        f"within their budget measured within the target (≥ 95%; {sh['fast_steps'] - sh['planned_within_budget']} more "
+        f"were planned past it to give a newly arrived fast prompt its first block, and counting them "
+        f"{f(sh['measured_within_target_all'], '.0%')} of all {sh['fast_steps']} met it); without fast traffic lanes ran at {f(s['lanes_over_fcfs_without_fast'])}× "
         f"fcfs throughput (≥ 0.95). Under `priority`, fast got {f(s['priority_fast_over_standard_per_user'])}× standard's "
         f"per-user speed: reordering alone does not make it faster.",
         "",

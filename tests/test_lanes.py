@@ -1,6 +1,7 @@
 """The lanes policy, pure Python and deterministic: a fake step model stands in for the
 runner, and a fake clock advances by each step's predicted time."""
 import random
+import statistics
 
 import pytest
 
@@ -56,6 +57,11 @@ def fast_only_seconds(sched, plan) -> float:
     return sched.step_model.predict(shape.with_kernel(sched.kernel_for(shape)))
 
 
+def with_one_more_decode(sched, plan) -> float:
+    shape = StepShape.of(plan).plus(100, 1, 1)
+    return sched.fastest(shape)[1]
+
+
 def test_fast_steps_meet_the_target_and_fill_it():
     sched = lanes()
     target = sched.tiers["fast"].tpot_target
@@ -71,8 +77,9 @@ def test_fast_steps_meet_the_target_and_fill_it():
     for p in with_fast:
         assert p.budget_seconds == target
         assert p.predicted_seconds <= target + 1e-12 or fast_only_seconds(sched, p) > target
-        # Standard work is waiting to run, so no room is wasted.
-        assert p.predicted_seconds >= 0.9 * target
+        # Standard work is waiting to run, so no room is wasted: the step is 90% full, or one
+        # more decode would cost a whole row group more than the target leaves.
+        assert p.predicted_seconds >= 0.9 * target or with_one_more_decode(sched, p) > target
     # The fast requests finished long before any standard one.
     assert all(sched.get(f"f{i}") is None for i in range(3))
     assert all(sched.get(f"s{i}") is not None for i in range(64))
@@ -96,7 +103,9 @@ def test_waiting_fast_is_prefilled_in_the_very_next_step():
     (f1,) = [s for s in plan.seqs if s.request_id == "f1"]
     assert f1.start_pos == 0 and 16 <= f1.num_new < 200
     assert "f0" in {s.request_id for s in plan.seqs}
-    assert plan.predicted_seconds <= sched.tiers["fast"].tpot_target
+    # Within the target, unless the one block f1 is always given is what takes it past.
+    forced = f1.num_new == sched.config.block_size and {s.request_id for s in plan.seqs} == {"f0", "f1"}
+    assert plan.predicted_seconds <= sched.tiers["fast"].tpot_target or forced
 
 
 def test_standard_batch_grows_to_the_largest_that_meets_its_slo():
@@ -276,3 +285,27 @@ def test_int8_is_never_chosen_past_the_measured_crossover():
     sched = Scheduler(SchedulerConfig(int8_max_tokens=32, num_blocks=64), cheap_int8, Clock())
     assert sched.kernel_for(StepShape("").plus(0, 32, 1)) == "int8"
     assert sched.kernel_for(StepShape("").plus(0, 33, 1)) == "fp32"
+
+
+def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
+    """A fast request arriving mid-step waits for that step: while the fast lane is warm, no
+    step is planned past half the fast TTFT target. Without fast traffic, or once the lane has
+    cooled, steps grow back to what standard's SLO allows."""
+    def standard_steps(sched, n):
+        return [run_step(sched).predicted_seconds for _ in range(n)]
+
+    fast = default_tiers()["fast"]
+    cold = lanes()
+    warm = lanes()
+    for sched in (cold, warm):
+        for i in range(100):
+            sched.add(request(f"s{i}", "standard", prompt_len=64, max_tokens=300))
+    warm.add(request("f0", "fast", max_tokens=3, arrival=warm.clock.now))
+    while warm.get("f0") is not None:
+        run_step(warm)
+    cap = fast.ttft_target / 2
+    assert max(standard_steps(cold, 30)) > 1.5 * cap  # the SLO alone allows long steps
+    steps = standard_steps(warm, 30)
+    assert max(steps) <= cap and statistics.median(steps) >= 0.6 * cap  # capped, not starved
+    warm.clock.now += fast.warm_for
+    assert max(standard_steps(warm, 30)) > 1.5 * cap

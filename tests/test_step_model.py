@@ -64,9 +64,22 @@ def test_plus_accumulates_and_with_kernel_keeps_the_work():
     shape = StepShape("int8").plus(0, 8, True).plus(5, 1, True).plus(20, 3, False)
     assert (shape.tokens, shape.sampled) == (12, 2)
     assert shape.attention == pytest.approx((8 * 9 // 2 + 6 + 3 * 20 + 6) / 1000)
-    assert shape.features() == (1.0, 12.0, 2.0, shape.attention, 2.0)  # two chunks: 8 and 3 tokens
+    # Rows rounded up to the kernel's row group (int8: 4); two chunks, of 8 and 3 tokens.
+    assert shape.features() == (1.0, 12.0, 4.0, shape.attention, 2.0)
     moved = shape.with_kernel("fp32")
-    assert moved.kernel == "fp32" and moved.features() == shape.features()
+    assert (moved.kernel, moved.tokens, moved.sampled, moved.attention) == ("fp32", 12, 2, shape.attention)
+    assert moved.features() == (1.0, 16.0, 8.0, shape.attention, 2.0)
+
+
+def test_a_row_past_the_group_costs_the_whole_group():
+    model = StepTimeModel({"int8": [0.02, 0.004, 0.003, 0.0, 0.0]})
+    times = {}
+    for n in range(1, 10):
+        shape = StepShape("int8")
+        for _ in range(n):
+            shape = shape.plus(100, 1, 1)
+        times[n] = model.predict(shape)
+    assert times[1] == times[4] < times[5] == times[8] < times[9]
 
 
 def test_of_plan_equals_adding_its_seqs_one_by_one():

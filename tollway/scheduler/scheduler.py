@@ -132,6 +132,7 @@ class Scheduler:
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
         self._decode_shape: StepShape | None = None
+        self._fast_seen: float | None = None  # when fast work was last waiting or running
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class Scheduler:
         self._decode_shape = None  # the running requests' decode step, for _may_admit_decode
         now = self.clock()
         fast_decoding = any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self.running.values())
-        step = _Step(self, self._time_target(), fast_decoding)
+        step = _Step(self, self._time_target(now), fast_decoding)
         preempted: list[str] = []
         for kind, requests in self._phases(now):
             if kind == "run":
@@ -298,19 +299,23 @@ class Scheduler:
 
     # ---- policy -------------------------------------------------------------------------
 
-    def _time_target(self) -> tuple[float, float] | None:
+    def _time_target(self, now: float) -> tuple[float, float] | None:
         """(seconds, quantile) the step must meet: the fast target while fast work is about,
         planned at the p97 overrun so that 95% of measured steps meet it; else standard's SLO
-        at the p90 overrun. Rarer overruns are this machine's hiccups (steps taking 2-3x for
-        reasons outside the plan): planning for them would shrink every step and could not
-        prevent them."""
+        at the p90 overrun, and, while the fast lane is warm, half of fast's TTFT target: a
+        fast request arriving mid-step waits for that step. Rarer overruns are this machine's
+        hiccups (steps taking 2-3x for reasons outside the plan): planning for them would
+        shrink every step and could not prevent them."""
         if self.policy != "lanes" or self.step_model is None:
             return None
+        fast, standard = self.tiers["fast"], self.tiers["standard"]
         if self.waiting["fast"] or self._num_running["fast"]:
-            target, quantile = self.tiers["fast"].tpot_target, 0.97
-        else:
-            target, quantile = self.tiers["standard"].tpot_target, 0.9
-        return (target, quantile) if target else None
+            self._fast_seen = now
+            return (fast.tpot_target, 0.97) if fast.tpot_target else None
+        targets = [(standard.tpot_target, 0.9)] if standard.tpot_target else []
+        if fast.ttft_target and fast.warm_for and self._fast_seen is not None and now - self._fast_seen <= fast.warm_for:
+            targets.append((fast.ttft_target / 2, 0.97))
+        return min(targets) if targets else None
 
     def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
         """What the step considers, in order: ("run", running requests to continue) and
