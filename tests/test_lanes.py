@@ -295,8 +295,10 @@ def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
         return [run_step(sched).predicted_seconds for _ in range(n)]
 
     fast = default_tiers()["fast"]
-    cold = lanes()
-    warm = lanes()
+    fast.ttft_target, fast.warm_for = 0.8, 60.0
+    knobs = {"fast": {"ttft_target": fast.ttft_target, "warm_for": fast.warm_for}}
+    cold = lanes(tiers=knobs)
+    warm = lanes(tiers=knobs)
     for sched in (cold, warm):
         for i in range(100):
             sched.add(request(f"s{i}", "standard", prompt_len=64, max_tokens=300))
