@@ -311,3 +311,14 @@ def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
     assert max(steps) <= cap and statistics.median(steps) >= 0.6 * cap  # capped, not starved
     warm.clock.now += fast.warm_for
     assert max(standard_steps(warm, 30)) > 1.5 * cap
+
+
+def test_by_default_fast_traffic_leaves_no_cap_behind():
+    sched = lanes()
+    assert sched.tiers["fast"].warm_for is None
+    for i in range(100):
+        sched.add(request(f"s{i}", "standard", prompt_len=64, max_tokens=300))
+    sched.add(request("f0", "fast", max_tokens=3, arrival=sched.clock.now))
+    while sched.get("f0") is not None:
+        run_step(sched)
+    assert max(run_step(sched).predicted_seconds for _ in range(30)) > sched.tiers["fast"].ttft_target
