@@ -41,7 +41,9 @@ def test_engine_step_model_comes_from_the_runner_and_learns_online(make_engine, 
     model = engine.step_model
     assert model is engine.scheduler.step_model
     coeffs = model.coefficients["int8"]
-    assert coeffs[0] > 0 and all(c >= 0 for c in coeffs)  # a fixed cost per step, nothing negative
+    # Nothing negative. The fixed cost may fit to 0: rows count in whole row groups, so even a
+    # one-token step is charged a group, which already carries it.
+    assert all(c >= 0 for c in coeffs) and coeffs[0] + coeffs[1] + coeffs[2] > 0
     one, eight = (model.predict(StepShape("int8").plus(100, 1, 1)),
                   model.predict(StepShape("int8", 8, 8, 0.8)))
     assert 0 < one < eight
