@@ -167,6 +167,23 @@ def test_batch_finishes_within_its_window_under_steady_standard_load():
     assert finished_at - start > window / 4
 
 
+def test_a_due_batch_request_deep_in_a_long_queue_goes_first():
+    """Deadlines are kept in a heap, not found by scanning the queue: the one due request among
+    thousands is admitted ahead of standard in the next step, and the rest keep waiting."""
+    window = 60.0
+    sched = lanes(tiers={"batch": {"window": window, "max_queue": 10_000}, "standard": {"tpot_target": 0.5}},
+                  max_num_seqs=32)
+    for i in range(5000):
+        sched.add(request(f"b{i}", "batch", max_tokens=20, arrival=sched.clock.now))
+    sched.add(request("late", "batch", max_tokens=20, arrival=sched.clock.now - window))
+    for i in range(40):
+        sched.add(request(f"s{i}", "standard", max_tokens=30))
+    plan = run_step(sched)
+    assert plan.seqs[0].request_id == "late"
+    assert {s.tier for s in plan.seqs[1:]} == {"standard"}
+    assert len(sched.waiting["batch"]) == 5000
+
+
 def test_batch_starves_without_aging():
     sched = lanes(tiers={"batch": {"window": None}, "standard": {"tpot_target": 0.5}}, max_num_seqs=32)
     sched.add(request("b", "batch", max_tokens=20))

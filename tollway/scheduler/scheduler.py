@@ -14,6 +14,7 @@ Three policies share this code, so they can be measured on one engine:
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
+from tollway.scheduler.deadlines import Deadlines
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
 from tollway.scheduler.step_model import StepShape, StepTimeModel
@@ -133,6 +135,8 @@ class Scheduler:
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
         self._decode_shape: StepShape | None = None
         self._fast_seen: float | None = None  # when fast work was last waiting or running
+        self._deadlines = Deadlines()  # waiting batch requests not yet due
+        self._late: dict[str, Request] = {}  # waiting batch requests that are due: they go as standard
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -168,6 +172,7 @@ class Scheduler:
         self._arrival[rid] = self._tick()
         self._block_hashes[rid] = []
         queue.append(request)
+        self._track_deadline(request)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish a waiting or running request (e.g. the engine matched a stop string) and free
@@ -336,26 +341,44 @@ class Scheduler:
             return sorted(requests, key=lambda r: (self._last_step.get(r.request_id, 0), self._admitted[r.request_id]))
 
         running = list(self.running.values())
-        urgent = {r.request_id for r in running + list(self.waiting["batch"]) if self._urgent(r, now)}
+        for rid in self._deadlines.pop_due(now):
+            self._late[rid] = self._requests[rid]
+        urgent = {r.request_id for r in running if self._is_due(r, now)}
         yield "run", by_turn(r for r in running if r.tier == "fast")
         yield "admit fast", list(self.waiting["fast"])
         yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent)
-        late_batch = sorted((r for r in self.waiting["batch"] if r.request_id in urgent),
-                            key=lambda r: r.arrival_time)
+        late_batch = sorted(self._late.values(), key=lambda r: r.arrival_time)
         yield "admit", late_batch + list(self.waiting["standard"])
         yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent)
         if not self.waiting["standard"]:  # batch takes only what standard leaves
-            yield "admit", [r for r in self.waiting["batch"] if r.request_id not in urgent]
+            # No step admits more than max_num_seqs: look no further into the queue than that.
+            on_time = (r for r in self.waiting["batch"] if r.request_id not in self._late)
+            yield "admit", list(itertools.islice(on_time, self.config.max_num_seqs))
 
-    def _urgent(self, request: Request, now: float) -> bool:
-        """A batch request whose window is closing: it runs as standard from now on. Due when
-        what is left, at standard's per-token SLO, would take it to within a half of its window."""
+    def _due(self, request: Request) -> float | None:
+        """When a batch request's window is closing, from which on it runs as standard: when
+        what is left, at standard's per-token SLO, would take it to within a half of its window,
+        or at half its window. None for requests without a window."""
         window = self.tiers[request.tier].window
         if request.tier != "batch" or window is None:
-            return False
+            return None
         per_token = self.tiers["standard"].tpot_target or 1.0
         left = request.params.max_tokens - len(request.output_token_ids) + 1
-        return now + 1.5 * left * per_token >= request.arrival_time + window or now >= request.arrival_time + window / 2
+        return min(request.arrival_time + window - 1.5 * left * per_token, request.arrival_time + window / 2)
+
+    def _is_due(self, request: Request, now: float) -> bool:
+        due = self._due(request)
+        return due is not None and now >= due
+
+    def _track_deadline(self, request: Request) -> None:
+        """A batch request (re)joins its queue: note when it falls due."""
+        due = self._due(request)
+        if due is not None:
+            self._deadlines.set(request.request_id, due)
+
+    def _left_queue(self, request: Request) -> None:
+        self._deadlines.discard(request.request_id)
+        self._late.pop(request.request_id, None)
 
     def _victims(self, request: Request) -> list[Request]:
         """Running requests `request` may preempt for room, first choice first; only ones not
@@ -458,6 +481,7 @@ class Scheduler:
                     self._release(request)
                     return  # head of the line waits; nobody overtakes it
             self.waiting[request.tier].remove(request)
+            self._left_queue(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
                 request.num_cached_prompt_tokens = cached
@@ -531,6 +555,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting[victim.tier].appendleft(victim)
+        self._track_deadline(victim)
         preempted.append(rid)
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
@@ -548,6 +573,7 @@ class Scheduler:
             self._num_running[request.tier] -= 1
         else:
             self.waiting[request.tier].remove(request)
+            self._left_queue(request)
         self._release(request)
         for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step,
                       self._ngrams, self._acceptance):
