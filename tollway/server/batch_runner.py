@@ -36,7 +36,7 @@ class BatchRunner:
                 await task
             except asyncio.CancelledError:
                 pass
-            self._finish(batch_id, cancelled=True)
+            self._finish(batch_id, "cancelled")
         return self.store.batch(batch_id) or batch
 
     async def shutdown(self) -> None:
@@ -47,7 +47,7 @@ class BatchRunner:
     async def _run(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
         if batch["status"] == "cancelling":
-            self._finish(batch_id, cancelled=True)
+            self._finish(batch_id, "cancelled")
             return
         if batch["status"] == "validating":
             self.store.update(batch_id, status="in_progress", in_progress_at=int(time.time()))
@@ -65,21 +65,29 @@ class BatchRunner:
                     error = {"code": e.code or "invalid_request", "message": e.message}
                     self.store.record(batch_id, line_no, False, _line(custom_id, result, error))
 
-        await asyncio.gather(*(line(*x) for x in self.store.pending_lines(batch_id)))
-        self._finish(batch_id, cancelled=False)
+        lines = asyncio.gather(*(line(*x) for x in self.store.pending_lines(batch_id)))
+        try:
+            # Past its completion window a batch expires; its in-flight lines are aborted.
+            await asyncio.wait_for(lines, timeout=max(0.0, batch["expires_at"] - time.time()))
+        except TimeoutError:
+            for line_no, custom_id, _, _ in self.store.pending_lines(batch_id):
+                self.store.record(batch_id, line_no, False, _line(custom_id, None, _EXPIRED))
+            self._finish(batch_id, "expired")
+            return
+        self._finish(batch_id, "completed")
 
-    def _finish(self, batch_id: str, cancelled: bool) -> None:
+    def _finish(self, batch_id: str, status: str) -> None:
+        """status: completed, cancelled or expired."""
         now = int(time.time())
         self.store.update(batch_id, status="finalizing", finalizing_at=now)
         output, error = self.store.write_results(batch_id)
-        if cancelled:
-            self.store.update(batch_id, status="cancelled", cancelled_at=now, output_file_id=output,
-                              error_file_id=error)
-        else:
-            self.store.update(batch_id, status="completed", completed_at=now, output_file_id=output,
-                              error_file_id=error)
+        self.store.update(batch_id, status=status, output_file_id=output, error_file_id=error, **{f"{status}_at": now})
         self._tasks.pop(batch_id, None)
 
 
-def _line(custom_id: str, response: dict, error: dict | None) -> dict:
+# What OpenAI writes to the error file for each line an expired batch never ran.
+_EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+
+
+def _line(custom_id: str, response: dict | None, error: dict | None) -> dict:
     return {"id": new_id("batch_req"), "custom_id": custom_id, "response": response, "error": error}
