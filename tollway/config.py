@@ -23,7 +23,7 @@ class TierSpec:
     tpot_target: float | None = None
     # fast, with `warm_for` set: for that many seconds after fast traffic, every step is kept
     # within half of this, so a newcomer waits at most that for the step in flight. Off by
-    # default: on a 2-core CPU it costs standard ~30% of its throughput (benchmarks/README.md).
+    # default: on a 2-core CPU it cost 14% of total throughput (lanes_warm, benchmarks/README.md).
     # Otherwise reported against, not scheduled for.
     ttft_target: float | None = None
     warm_for: float | None = None
