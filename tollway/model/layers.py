@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tollway.scheduler.step_model import ROW_GROUP
+
 if TYPE_CHECKING:
     from tollway.model.row_ops import TorchRowOps
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 # the same order whatever else shares the step, so batching and chunking never change a
 # result bit: the padding only ever adds exact zeros.
 ATTENTION_BLOCK = 128
-_ROW_MULTIPLE = 8
+_ROW_MULTIPLE = ROW_GROUP["fp32"]  # the step model counts fp32 rows in these groups
 
 
 

@@ -57,17 +57,14 @@ class _Step:
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
 
-    def kernel(self, shape: StepShape) -> str:
-        return self.sched.fastest(shape, self.headroom)[0]
-
     def predict(self, shape: StepShape) -> float:
         return self.sched.fastest(shape, self.headroom)[1]
 
-    def budget(self) -> float | None:
-        """The target in predicted seconds for this step's kernel: what the plan was fitted to."""
+    def budget(self, kernel: str) -> float | None:
+        """The target in predicted seconds for the step's kernel: what the plan was fitted to."""
         if self.seconds is None:
             return None
-        return self.seconds / self.headroom.get(self.kernel(self.shape), 1.0)
+        return self.seconds / self.headroom.get(kernel, 1.0)
 
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
@@ -254,7 +251,7 @@ class Scheduler:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel, predicted = self.fastest(step.shape, step.headroom)
         predicted = predicted if self.step_model and step.seqs else None
-        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget())
+        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel))
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
