@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tollway.meter.attribution import attribute
+from tollway.meter.attribution import READINESS, attribute
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
 
@@ -28,9 +28,11 @@ def prefill(rid: str, tier: str, n: int) -> ScheduledSeq:
        st.floats(0.001, 5.0), st.booleans())
 def test_costs_add_up_to_the_step(seqs, seconds, capped):
     plan = StepPlan(1, [ScheduledSeq(f"r{i}", tier, (1,) * n, start, (0,), True, GREEDY)
-                        for i, (tier, n, start) in enumerate(seqs)], "int8", budget_seconds=0.12 if capped else None)
+                        for i, (tier, n, start) in enumerate(seqs)], "int8", budget_seconds=0.12, capped_by="fast" if capped else None)
     costs = attribute(plan, seconds, COEFFS, price_per_second=0.5)
-    assert set(costs) == {s.request_id for s in plan.seqs}
+    ids = {s.request_id for s in plan.seqs}
+    assert set(costs) == ids or (capped and not any(s.tier == "fast" for s in plan.seqs)
+                                 and set(costs) == ids | {READINESS})
     assert sum(costs.values()) == pytest.approx(seconds * 0.5, rel=1e-12)
     assert all(c >= 0 for c in costs.values())
 
@@ -44,8 +46,8 @@ def test_uncapped_steps_split_by_marginal_work():
 
 def test_a_fast_capped_step_charges_its_idle_capacity_to_fast():
     seqs = [decode("f", "fast"), decode("s1", "standard"), decode("s2", "standard")]
-    capped = attribute(StepPlan(1, seqs, "int8", budget_seconds=0.12), 0.1, COEFFS, 1.0)
-    even = attribute(StepPlan(1, seqs, "int8"), 0.1, COEFFS, 1.0)
+    capped = attribute(StepPlan(1, seqs, "int8", budget_seconds=0.12, capped_by="fast"), 0.1, COEFFS, 1.0)
+    even = attribute(StepPlan(1, seqs, "int8", budget_seconds=0.12), 0.1, COEFFS, 1.0)  # the cap left nothing out
     # Same work per sequence; the cap moves the fixed cost onto the fast request.
     assert even["f"] == pytest.approx(even["s1"])
     assert capped["f"] > 2 * capped["s1"] and capped["s1"] == pytest.approx(capped["s2"])
@@ -53,9 +55,18 @@ def test_a_fast_capped_step_charges_its_idle_capacity_to_fast():
     assert sum(capped.values()) == pytest.approx(0.1)
 
 
+def test_a_step_kept_short_for_the_fast_lane_returns_its_idle_capacity_as_readiness():
+    seqs = [decode("s1", "standard"), decode("s2", "batch")]
+    capped = attribute(StepPlan(1, seqs, "int8", budget_seconds=0.4, capped_by="fast"), 0.1, COEFFS, 1.0)
+    even = attribute(StepPlan(1, seqs, "int8", budget_seconds=0.4, capped_by="standard"), 0.1, COEFFS, 1.0)
+    assert set(even) == {"s1", "s2"} and capped["s1"] < even["s1"]
+    assert capped[READINESS] > capped["s1"] + capped["s2"]  # the fixed cost, no one in the step to pay it
+    assert sum(capped.values()) == pytest.approx(0.1)
+
+
 def test_a_step_of_fast_requests_alone_splits_among_them():
-    costs = attribute(StepPlan(1, [decode("f1", "fast"), decode("f2", "fast", 300)], "int8", budget_seconds=0.12),
-                      0.08, COEFFS, 1.0)
+    costs = attribute(StepPlan(1, [decode("f1", "fast"), decode("f2", "fast", 300)], "int8", budget_seconds=0.12,
+                               capped_by="fast"), 0.08, COEFFS, 1.0)
     assert sum(costs.values()) == pytest.approx(0.08) and costs["f2"] > costs["f1"]  # more context, more work
 
 

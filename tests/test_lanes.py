@@ -305,37 +305,30 @@ def test_int8_is_never_chosen_past_the_measured_crossover():
 
 
 def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
-    """A fast request arriving mid-step waits for that step: while the fast lane is warm, no
-    step is planned past half the fast TTFT target. Without fast traffic, or once the lane has
-    cooled, steps grow back to what standard's SLO allows."""
+    """A fast request arriving mid-step waits for that step: by default, while the fast lane
+    is warm, no step is planned past half the fast TTFT target, and such steps say the fast
+    lane capped them (the meter bills their idle capacity to fast). Without fast traffic, once
+    the lane has cooled, or with `warm_for` unset, steps grow back to what standard's SLO allows."""
     def standard_steps(sched, n):
-        return [run_step(sched).predicted_seconds for _ in range(n)]
+        plans = [run_step(sched) for _ in range(n)]
+        return [p.predicted_seconds for p in plans], {p.capped_by for p in plans}
 
     fast = default_tiers()["fast"]
-    fast.ttft_target, fast.warm_for = 0.8, 60.0
-    knobs = {"fast": {"ttft_target": fast.ttft_target, "warm_for": fast.warm_for}}
-    cold = lanes(tiers=knobs)
-    warm = lanes(tiers=knobs)
-    for sched in (cold, warm):
+    assert fast.ttft_target and fast.warm_for
+    idle, warm, unset = lanes(), lanes(), lanes(tiers={"fast": {"warm_for": None}})
+    for sched in (idle, warm, unset):
         for i in range(100):
             sched.add(request(f"s{i}", "standard", prompt_len=64, max_tokens=300))
-    warm.add(request("f0", "fast", max_tokens=3, arrival=warm.clock.now))
-    while warm.get("f0") is not None:
-        run_step(warm)
+    for sched in (warm, unset):
+        sched.add(request("f0", "fast", max_tokens=3, arrival=sched.clock.now))
+        while sched.get("f0") is not None:
+            run_step(sched)
     cap = fast.ttft_target / 2
-    assert max(standard_steps(cold, 30)) > 1.5 * cap  # the SLO alone allows long steps
-    steps = standard_steps(warm, 30)
+    assert max(standard_steps(idle, 30)[0]) > 1.5 * cap  # the SLO alone allows long steps
+    assert max(standard_steps(unset, 30)[0]) > 1.5 * cap
+    steps, capped_by = standard_steps(warm, 30)
     assert max(steps) <= cap and statistics.median(steps) >= 0.6 * cap  # capped, not starved
+    assert capped_by == {"fast"}
     warm.clock.now += fast.warm_for
-    assert max(standard_steps(warm, 30)) > 1.5 * cap
-
-
-def test_by_default_fast_traffic_leaves_no_cap_behind():
-    sched = lanes()
-    assert sched.tiers["fast"].warm_for is None
-    for i in range(100):
-        sched.add(request(f"s{i}", "standard", prompt_len=64, max_tokens=300))
-    sched.add(request("f0", "fast", max_tokens=3, arrival=sched.clock.now))
-    while sched.get("f0") is not None:
-        run_step(sched)
-    assert max(run_step(sched).predicted_seconds for _ in range(30)) > sched.tiers["fast"].ttft_target
+    steps, capped_by = standard_steps(warm, 30)
+    assert max(steps) > 1.5 * cap and "fast" not in capped_by

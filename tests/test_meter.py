@@ -34,7 +34,7 @@ def _mixed_run(make_engine, tmp_path, policy: str):
     while engine.has_unfinished():
         outputs = engine.step()
         plan = engine.last_plan
-        capped += plan.budget_seconds is not None and {s.tier for s in plan.seqs} > {"fast"}
+        capped += plan.capped_by == "fast" and {s.tier for s in plan.seqs} > {"fast"}
         meter.on_step(engine, plan, engine.last_result, outputs)
     seconds = {rid: meter.release([rid]) for rid in tiers}
     return meter, seconds, tiers, capped
@@ -48,8 +48,9 @@ def test_attributed_time_adds_up_to_busy_time_over_a_mixed_run(make_engine, tmp_
     meter, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "lanes")
     assert capped > 0  # fast requests shaped steps that others rode in
     assert set(tiers.values()) == {"fast", "standard", "batch"}
-    assert sum(seconds.values()) == pytest.approx(meter.busy_seconds, rel=1e-9)
-    assert meter.attributed_seconds == pytest.approx(meter.busy_seconds, rel=1e-9)
+    # Steps kept short after the last fast request hold readiness for a fast arrival to come.
+    assert sum(seconds.values()) + meter.readiness_seconds == pytest.approx(meter.busy_seconds, rel=1e-9)
+    assert meter.attributed_seconds + meter.readiness_seconds == pytest.approx(meter.busy_seconds, rel=1e-9)
     assert all(s > 0 for s in seconds.values())
 
 
@@ -61,3 +62,27 @@ def test_fast_tokens_cost_more_under_lanes_and_the_same_without(make_engine, tmp
     _, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "fcfs")
     assert capped == 0
     assert _per_token(seconds, tiers, "fast") == pytest.approx(_per_token(seconds, tiers, "standard"), rel=0.25)
+
+
+def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
+    from types import SimpleNamespace
+
+    from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+    engine = SimpleNamespace(step_model=StepTimeModel(COEFFS))
+    meter = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "ledger.sqlite"))
+    meter.watch(["s", "f"])
+    greedy = SamplingParams(temperature=0)
+
+    def step(step_id, *seqs, capped_by="fast"):
+        seqs = [ScheduledSeq(rid, tier, (1,), 100, (0,), True, greedy) for rid, tier in seqs]
+        meter.on_step(engine, StepPlan(step_id, seqs, "int8", capped_by=capped_by), StepResult(step_id, {}, 0.1), [])
+
+    step(1, ("s", "standard"))  # kept short for a fast lane with no request in it
+    held = meter.readiness_seconds
+    assert 0.05 < held < 0.1 and meter.attributed_seconds == pytest.approx(0.1 - held)
+    step(2, ("s", "standard"), capped_by=None)  # a full step: nothing held back
+    assert meter.readiness_seconds == held
+    step(3, ("f", "fast"), ("s", "standard"))
+    assert meter.readiness_seconds == 0 and meter.attributed_seconds == pytest.approx(0.3)
+    fast, standard = meter.release(["f"]), meter.release(["s"])
+    assert fast > held and fast + standard == pytest.approx(0.3)

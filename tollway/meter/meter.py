@@ -1,6 +1,10 @@
 """The meter: every step's engine time attributed to the requests in it (attribution.py),
 summed per request, and settled into the ledger when the request ends.
 
+Steps kept short for a fast lane that had no request in them leave idle capacity with no one
+in the step to pay for it. That readiness is what gives the next fast arrival its short wait,
+so it is held as `readiness_seconds` and charged to the next fast requests to run.
+
 `on_step` runs on the engine thread before the step's outputs are handed out, so a request's
 engine seconds are complete by the time its handler sees it finish.
 """
@@ -9,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from tollway.meter.attribution import attribute
+from tollway.meter.attribution import READINESS, attribute
 from tollway.meter.budgets import Budgets
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.meter.price_card import PriceCard
@@ -26,7 +30,9 @@ class Meter:
         self._seconds: dict[str, float] = {}  # engine request id -> attributed seconds, while watched
         self._lock = threading.Lock()
         self.busy_seconds = 0.0  # every step's measured time
-        self.attributed_seconds = 0.0  # what attribute() handed out: equal to busy_seconds but for rounding
+        # Handed out to requests; with readiness_seconds, equal to busy_seconds but for rounding.
+        self.attributed_seconds = 0.0
+        self.readiness_seconds = 0.0  # idle capacity held for the fast lane, not yet charged
 
     def on_step(self, engine, plan: StepPlan, result: StepResult, outputs) -> None:
         model = engine.step_model
@@ -34,6 +40,12 @@ class Meter:
         shares = attribute(plan, result.seconds, coefficients, 1.0)
         with self._lock:
             self.busy_seconds += result.seconds
+            self.readiness_seconds += shares.pop(READINESS, 0.0)
+            fast = [s.request_id for s in plan.seqs if s.tier == "fast" and s.request_id in self._seconds]
+            if fast and self.readiness_seconds:
+                for rid in fast:
+                    shares[rid] += self.readiness_seconds / len(fast)
+                self.readiness_seconds = 0.0
             self.attributed_seconds += sum(shares.values())
             for rid, seconds in shares.items():
                 if rid in self._seconds:

@@ -62,6 +62,7 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     predicted_seconds: float | None = None  # the step model's forecast, when there is one
     budget_seconds: float | None = None  # the time the step was shaped to fit, if any
+    capped_by: str | None = None  # the lane whose time target left work out of this step
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +88,7 @@ class StepPlan:
         parts.append(f"over {self.context_tokens} ctx, kernel {self.kernel}")
         if self.predicted_seconds is not None:
             budget = f" of {self.budget_seconds * 1e3:.0f} ms" if self.budget_seconds else ""
+            budget += f", capped by {self.capped_by}" if self.capped_by else ""
             parts.append(f"predicted {self.predicted_seconds * 1e3:.0f} ms{budget}")
         drafts = sum(s.num_draft for s in self.seqs)
         if drafts:

@@ -18,6 +18,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
@@ -39,20 +40,30 @@ class QueueFullError(ValueError):
         self.retry_after = RETRY_AFTER_SECONDS
 
 
+class TimeTarget(NamedTuple):
+    """The step should finish within `seconds` in `quantile` of steps; `lane` set the target."""
+
+    seconds: float
+    quantile: float
+    lane: str
+
+
 class _Step:
     """The plan being built, with its predicted time against the step's time target."""
 
-    def __init__(self, sched: Scheduler, target: tuple[float, float] | None, fast_decoding: bool = False):
-        """target: (seconds, quantile): the step should finish within `seconds` in that
+    def __init__(self, sched: Scheduler, target: TimeTarget | None, fast_decoding: bool = False):
+        """`target`: the step should finish within its seconds in that
         fraction of steps. Predictions are stretched by the model's recent overrun at that
         quantile, per kernel, so that measured steps, not predicted ones, meet it.
         `fast_decoding`: a fast request is past its prefill, so its TPOT is at stake; otherwise
         a fast prefill is about TTFT and goes in whole."""
         self.sched = sched
-        self.seconds = target[0] if target else None  # None: only the token budget and seq cap limit the step
+        self.seconds = target.seconds if target else None  # None: only the token budget and seq cap limit the step
+        self.lane = target.lane if target else None
+        self.capped = False  # the target left work out of this step
         self.fast_decoding = fast_decoding
         model = sched.step_model
-        self.headroom = {k: model.headroom(k, target[1], near=target[0]) for k in model.coefficients} if target else {}
+        self.headroom = {k: model.headroom(k, target.quantile, near=target.seconds) for k in model.coefficients} if target else {}
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
@@ -82,6 +93,7 @@ class _Step:
                 lo = mid
             else:
                 hi = mid - 1
+        self.capped |= lo < n
         if must:
             lo = max(lo, min(n, self.sched.pool.block_size))
         return lo
@@ -251,7 +263,8 @@ class Scheduler:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel, predicted = self.fastest(step.shape, step.headroom)
         predicted = predicted if self.step_model and step.seqs else None
-        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel))
+        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
+                        step.lane if step.capped else None)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
@@ -301,8 +314,8 @@ class Scheduler:
 
     # ---- policy -------------------------------------------------------------------------
 
-    def _time_target(self, now: float) -> tuple[float, float] | None:
-        """(seconds, quantile) the step must meet: the fast target while fast work is about,
+    def _time_target(self, now: float) -> TimeTarget | None:
+        """What the step must meet: the fast target while fast work is about,
         planned at the p97 overrun so that 95% of measured steps meet it; else standard's SLO
         at the p90 overrun, and, while the fast lane is warm, half of fast's TTFT target: a
         fast request arriving mid-step waits for that step. Rarer overruns are this machine's
@@ -313,10 +326,10 @@ class Scheduler:
         fast, standard = self.tiers["fast"], self.tiers["standard"]
         if self.waiting["fast"] or self._num_running["fast"]:
             self._fast_seen = now
-            return (fast.tpot_target, 0.97) if fast.tpot_target else None
-        targets = [(standard.tpot_target, 0.9)] if standard.tpot_target else []
+            return TimeTarget(fast.tpot_target, 0.97, "fast") if fast.tpot_target else None
+        targets = [TimeTarget(standard.tpot_target, 0.9, "standard")] if standard.tpot_target else []
         if fast.ttft_target and fast.warm_for and self._fast_seen is not None and now - self._fast_seen <= fast.warm_for:
-            targets.append((fast.ttft_target / 2, 0.97))
+            targets.append(TimeTarget(fast.ttft_target / 2, 0.97, "fast"))
         return min(targets) if targets else None
 
     def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
