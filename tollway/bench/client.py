@@ -1,0 +1,128 @@
+"""One streamed request to an OpenAI-compatible server, timed: when it was sent, when each
+chunk of text arrived, what the server's usage said, and how it failed if it did."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tollway.bench.workload import RequestSpec
+
+
+@dataclass
+class RequestRecord:
+    """Times are seconds on the bench's clock (perf_counter from the bench's start)."""
+
+    index: int
+    stage: str
+    tier: str
+    warmup: bool
+    prompt_tokens: int | None  # as sent; usage's count replaces it when the server gives one
+    max_tokens: int
+    sent: float
+    first_token: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # every chunk that carried text
+    end: float | None = None
+    output_tokens: int | None = None
+    cost: float | None = None  # the server's usage.cost in dollars (tollway reports it)
+    engine_seconds: float | None = None  # the server's usage.engine_seconds (tollway)
+    error: str | None = None  # its kind: http_429, timeout, connection, ...
+    error_message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+
+class OpenAIClient:
+    """POSTs streamed completions (or chat completions) and times them."""
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, endpoint: str = "completions",
+                 timeout: float = 600.0, ignore_eos: bool = True):
+        if endpoint not in ("completions", "chat"):
+            raise ValueError(f"--endpoint: expected completions or chat, got {endpoint!r}")
+        base = url.rstrip("/")
+        self.base = base[:-3] if base.endswith("/v1") else base
+        self.model, self.endpoint, self.ignore_eos = model, endpoint, ignore_eos
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def body(self, spec: RequestSpec) -> dict:
+        body = {"model": self.model, "max_tokens": spec.max_tokens, "stream": True, "temperature": 0.0,
+                "stream_options": {"include_usage": True}, "service_tier": spec.tier}
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension, which tollway and llama.cpp's server take too
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt
+        return body
+
+    async def send(self, spec: RequestSpec, stage: str, warmup: bool, clock) -> RequestRecord:
+        record = RequestRecord(spec.index, stage, spec.tier, warmup, spec.prompt_tokens, spec.max_tokens, clock())
+        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        try:
+            async with self.http.stream("POST", self.base + path, json=self.body(spec)) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    return _failed(record, f"http_{response.status_code}", _error_message(text), clock)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        record.end = clock()
+                        break
+                    _take_chunk(record, json.loads(data), clock())
+        except httpx.TimeoutException as e:
+            return _failed(record, "timeout", str(e) or type(e).__name__, clock)
+        except httpx.HTTPError as e:
+            return _failed(record, "connection", str(e) or type(e).__name__, clock)
+        except (json.JSONDecodeError, ValueError) as e:
+            return _failed(record, "bad_response", str(e), clock)
+        if record.end is None:
+            return _failed(record, "incomplete", "the stream ended without [DONE]", clock)
+        if record.output_tokens is None:  # a server without usage in streams: count chunks
+            record.output_tokens = len(record.chunk_times)
+        return record
+
+
+def _take_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+    if "error" in chunk:
+        raise ValueError(f"error in stream: {_error_message(json.dumps(chunk))}")
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        if text:
+            if record.first_token is None:
+                record.first_token = now
+            record.chunk_times.append(now)
+    usage = chunk.get("usage")
+    if usage:
+        record.output_tokens = usage.get("completion_tokens")
+        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        record.cost = usage.get("cost")
+        record.engine_seconds = usage.get("engine_seconds")
+
+
+def _failed(record: RequestRecord, kind: str, message: str, clock) -> RequestRecord:
+    record.error, record.error_message, record.end = kind, message[:500], clock()
+    return record
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
+def now_clock():
+    """The bench's clock: seconds since it was made."""
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start

@@ -1,0 +1,114 @@
+"""`tollway bench`: one workload against one OpenAI-compatible server, under a load profile
+(or a sweep of them), measured per tier and written as JSON (every request's timings) and a
+self-contained HTML report."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tollway.bench.client import OpenAIClient, now_clock
+from tollway.bench.console import LiveView
+from tollway.bench.load import Limits, Profile, Stage, run_stage, sweep_rates
+from tollway.bench.server_metrics import StepScraper
+from tollway.bench.stats import SLO, summarize
+from tollway.bench.workload import Requests, Workload
+
+FORMAT = "tollway-bench/1"
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    model: str
+    workload: Workload
+    limits: Limits
+    profiles: list[Profile] = field(default_factory=list)  # fixed stages; empty with sweep
+    sweep: int | None = None  # stages in a sweep (>= 2): synchronous, rates between, saturated
+    sweep_concurrency: int = 64  # the saturated end of a sweep
+    slo: SLO = field(default_factory=lambda: SLO({}))
+    usd_per_hour: float | None = None
+    api_key: str | None = None
+    endpoint: str = "completions"
+    label: str | None = None  # names this run in merged reports; default: the URL
+    timeout: float = 600.0
+
+    def check(self) -> None:
+        self.limits.check()
+        if self.sweep is not None and self.sweep < 2:
+            raise ValueError(f"--sweep needs at least 2 stages, got {self.sweep}")
+        if self.sweep is None and not self.profiles:
+            raise ValueError("give one of --concurrency, --rate or --sweep")
+
+
+def profile_from_args(concurrency: int | None, rate: float | None, burstiness: float) -> Profile:
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give one of --concurrency, --rate or --sweep")
+    if concurrency is not None:
+        if concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+        return Profile(f"concurrency {concurrency}", concurrency=concurrency)
+    if not rate > 0 or not burstiness > 0:
+        raise ValueError("--rate and --burstiness must be > 0")
+    return Profile(f"rate {rate:g}/s", rate=rate, burstiness=burstiness)
+
+
+def run_bench(config: BenchConfig, tokenizer=None, show: bool = True) -> dict:
+    config.check()
+    requests = Requests(config.workload, tokenizer)
+    return asyncio.run(_run(config, requests, show))
+
+
+async def _run(config: BenchConfig, requests: Requests, show: bool) -> dict:
+    clock = now_clock()
+    client = OpenAIClient(config.url, config.model, config.api_key, config.endpoint, config.timeout,
+                          config.workload.ignore_eos)
+    scraper = StepScraper(client.http, client.base)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    stages: list[Stage] = []
+    view = LiveView(config.limits, config.slo, show)
+
+    async def stage(profile: Profile) -> Stage:
+        with view.stage(profile) as on_record:
+            done = await run_stage(client, requests, profile, config.limits, clock, scraper, on_record)
+        stages.append(done)
+        return done
+
+    try:
+        with view:
+            if config.sweep is None:
+                for profile in config.profiles:
+                    await stage(profile)
+            else:
+                slowest = await stage(Profile("synchronous", concurrency=1))
+                fastest = await stage(Profile(f"saturated ({config.sweep_concurrency})",
+                                              concurrency=config.sweep_concurrency))
+                ends = [summarize(s.records, config.slo, None)["all"]["requests_per_s"] or 0.0
+                        for s in (slowest, fastest)]
+                for rate in sweep_rates(ends[0], ends[1], config.sweep - 2):
+                    await stage(Profile(f"rate {rate:.3g}/s", rate=rate))
+    finally:
+        await client.close()
+    stages.sort(key=lambda s: (s.profile.concurrency != 1, s.profile.concurrency or 0, s.profile.rate or 0))
+    return {
+        "format": FORMAT, "label": config.label or config.url, "url": config.url, "model": config.model,
+        "endpoint": config.endpoint, "date": started.isoformat(timespec="seconds"),
+        "workload": config.workload.to_dict(), "limits": asdict(config.limits), "slo": config.slo.limits,
+        "usd_per_hour": config.usd_per_hour, "steps_exposed": scraper.available,
+        "stages": [stage_dict(s, config.slo, config.usd_per_hour) for s in stages],
+    }
+
+
+def stage_dict(s: Stage, slo: SLO, usd_per_hour: float | None) -> dict:
+    return {"profile": s.profile.to_dict(), "start": s.start, "end": s.end,
+            "summary": summarize(s.records, slo, usd_per_hour), "steps": s.steps,
+            "requests": [asdict(r) for r in s.records]}
+
+
+def write_result(result: dict, output: Path) -> Path:
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / "bench.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
