@@ -1,5 +1,6 @@
 """Command line: tollway serve (the OpenAI-compatible server), tollway keys, tollway generate "prompt",
-tollway usage and tollway report (the ledger), and the bench: tollway bench, compare, report FILE...."""
+tollway usage and tollway report (the ledger), the bench (tollway bench, compare, report FILE...) and
+the simulator (tollway profile, simulate, plan)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ from pathlib import Path
 from platformdirs import user_data_dir
 
 from tollway.bench import cli as bench_cli
+from tollway.sim import cli as sim_cli
 from tollway.config import (
     KERNELS, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
 )
@@ -61,6 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--slo", help="bench files: recompute goodput under these limits")
     report.add_argument("--usd-per-hour", type=float, help="bench files: recompute cost at this price")
     bench_cli.add_parsers(sub)
+    sim_cli.add_parsers(sub, add_engine_arguments)
     return parser
 
 
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report,
-                    "bench": bench_cli.bench_main, "compare": bench_cli.compare_main}
+                    "bench": bench_cli.bench_main, "compare": bench_cli.compare_main, "profile": sim_cli.profile_main,
+                    "simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main}
         return commands[args.command](args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)

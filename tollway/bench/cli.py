@@ -9,7 +9,7 @@ from pathlib import Path
 DEFAULT_OUTPUT = "tollway-bench"
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
     server = parser.add_argument_group("server")
     if single_url:
         server.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
@@ -17,56 +17,79 @@ def add_workload_arguments(parser: argparse.ArgumentParser, single_url: bool = T
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     server.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    load = parser.add_argument_group("load (one of --concurrency, --rate, --sweep)")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, sweep: bool = True) -> None:
+    load = parser.add_argument_group("load (one of --concurrency, --rate" + (", --sweep)" if sweep else ")"))
     load.add_argument("--concurrency", type=int, help="requests kept in flight")
     load.add_argument("--rate", type=float, help="new requests per second (open loop)")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier")
-    load.add_argument("--sweep", type=int, metavar="STAGES",
-                      help="synchronous, saturated, and STAGES-2 rates evenly between them")
-    load.add_argument("--sweep-max-concurrency", type=int, default=64, help="the saturated end of a sweep")
+    if sweep:
+        load.add_argument("--sweep", type=int, metavar="STAGES",
+                          help="synchronous, saturated, and STAGES-2 rates evenly between them")
+        load.add_argument("--sweep-max-concurrency", type=int, default=64, help="the saturated end of a sweep")
     load.add_argument("--max-requests", type=int, help="measured requests per stage")
     load.add_argument("--max-duration", type=float, metavar="SECONDS", help="per stage, warm-up included")
     load.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
                       help="requests sent this early in a stage are not measured")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, prompts_from_text: bool = True) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--mix", default="standard=1", help="tier shares sent as service_tier, e.g. fast=0.1,standard=0.9")
     work.add_argument("--prompt-tokens", default="256", help="exact, or mean=N,stdev=S,min=A,max=B")
     work.add_argument("--output-tokens", default="128", help="exact, or mean=N,stdev=S,min=A,max=B")
-    work.add_argument("--natural-output", action="store_true",
-                      help="let outputs end at EOS (default: ignore_eos, so lengths are as drawn)")
-    work.add_argument("--dataset", help="JSONL of {\"prompt\": ..., \"output_tokens\": N}")
-    work.add_argument("--tokenizer", help="a folder with tokenizer.json, a .gguf, or 'gemma3-270m' "
-                                          "(default: --model, where tollway can load it)")
     work.add_argument("--seed", type=int, default=0)
+    if prompts_from_text:
+        work.add_argument("--natural-output", action="store_true",
+                          help="let outputs end at EOS (default: ignore_eos, so lengths are as drawn)")
+        work.add_argument("--dataset", help="JSONL of {\"prompt\": ..., \"output_tokens\": N}")
+        work.add_argument("--tokenizer", help="a folder with tokenizer.json, a .gguf, or 'gemma3-270m' "
+                                              "(default: --model, where tollway can load it)")
+
+
+def add_result_arguments(parser: argparse.ArgumentParser, price_help: str) -> None:
     out = parser.add_argument_group("results")
     out.add_argument("--slo", help="goodput limits, e.g. ttft=500ms,tpot=50ms,fast:tpot=20ms")
-    out.add_argument("--usd-per-hour", type=float, help="the machine's price (default: the server's usage.cost)")
+    out.add_argument("--usd-per-hour", type=float, help=price_help)
     out.add_argument("--output", default=DEFAULT_OUTPUT, help=f"folder for the JSON and HTML (default {DEFAULT_OUTPUT})")
-    out.add_argument("--label", help="this run's name in reports (default: the URL)")
+    out.add_argument("--label", help="this run's name in reports")
     out.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
+    add_server_arguments(parser, single_url)
+    add_load_arguments(parser)
+    add_workload_arguments(parser)
+    add_result_arguments(parser, "the machine's price (default: the server's usage.cost)")
 
 
 def add_parsers(sub) -> None:
     bench = sub.add_parser("bench", help="measure an OpenAI-compatible server per lane: latency, throughput, cost")
-    add_workload_arguments(bench)
+    add_bench_arguments(bench)
     compare = sub.add_parser("compare", help="one workload twice (all fast vs all standard, or two servers), side by side")
     compare.add_argument("--url", action="append", required=True, help="one server, or give it twice for two")
     compare.add_argument("--tiers", default="fast,standard", help="with one --url: the two tiers to compare")
-    add_workload_arguments(compare, single_url=False)
+    add_bench_arguments(compare, single_url=False)
+
+
+def workload_from_args(args):
+    from tollway.bench.workload import Lengths, Workload, parse_mix
+
+    return Workload(Lengths.parse(args.prompt_tokens, "--prompt-tokens"),
+                    Lengths.parse(args.output_tokens, "--output-tokens"), not getattr(args, "natural_output", False),
+                    parse_mix(args.mix), getattr(args, "dataset", None), args.seed)
 
 
 def bench_config(args, url: str):
     from tollway.bench.load import Limits
     from tollway.bench.run import BenchConfig, profile_from_args
     from tollway.bench.stats import SLO
-    from tollway.bench.workload import Lengths, Workload, parse_mix
 
     if args.usd_per_hour is not None and args.usd_per_hour < 0:
         raise ValueError("--usd-per-hour must be >= 0")
-    workload = Workload(Lengths.parse(args.prompt_tokens, "--prompt-tokens"),
-                        Lengths.parse(args.output_tokens, "--output-tokens"), not args.natural_output,
-                        parse_mix(args.mix), args.dataset, args.seed)
+    workload = workload_from_args(args)
     profiles = [] if args.sweep is not None else [profile_from_args(args.concurrency, args.rate, args.burstiness)]
     if args.sweep is not None and (args.concurrency is not None or args.rate is not None):
         raise ValueError("give one of --concurrency, --rate or --sweep")
@@ -99,7 +122,6 @@ def load_tokenizer(args):
 
 
 def bench_main(args) -> int:
-    from tollway.bench.console import tier_table
     from tollway.bench.report import write_report
     from tollway.bench.run import run_bench, write_result
 
@@ -107,7 +129,7 @@ def bench_main(args) -> int:
     output = Path(args.output)
     json_path = write_result(result, output)
     html_path = write_report([result], output)
-    _print_stages(result, tier_table)
+    print_stages(result)
     print(f"tollway bench: wrote {json_path} and {html_path}", file=sys.stderr)
     return 0
 
@@ -134,7 +156,6 @@ def compare_main(args) -> int:
 
 
 def report_main(args) -> int:
-    from tollway.bench.console import tier_table
     from tollway.bench.report import load_result, resummarize, write_report
     from tollway.bench.stats import SLO
 
@@ -142,13 +163,13 @@ def report_main(args) -> int:
     results = [resummarize(load_result(Path(f)), slo, args.usd_per_hour) for f in args.files]
     path = write_report(results, Path(args.output))
     for result in results:
-        _print_stages(result, tier_table)
+        print_stages(result)
     print(f"tollway report: wrote {path}", file=sys.stderr)
     return 0
 
 
-def _print_stages(result: dict, tier_table) -> None:
-    from tollway.bench.console import stdout_console
+def print_stages(result: dict) -> None:
+    from tollway.bench.console import stdout_console, tier_table
 
     console = stdout_console()
     for stage in result["stages"]:

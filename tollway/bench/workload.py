@@ -77,6 +77,12 @@ class Workload:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def draw(self, rng: random.Random) -> tuple[str, int, int]:
+        """The next request's (tier, prompt tokens, max tokens): the same sequence for a seed
+        whether a bench sends it or the simulator plays it."""
+        tier = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        return tier, self.prompt.draw(rng), self.output.draw(rng)
+
 
 @dataclass
 class RequestSpec:
@@ -93,6 +99,7 @@ class Requests:
     def __init__(self, workload: Workload, tokenizer=None):
         self.workload, self.tokenizer = workload, tokenizer
         self._rng = random.Random(workload.seed)
+        self._words_rng = random.Random(workload.seed + 7919)  # apart, so the draws match the simulator's
         self._dataset = _read_dataset(Path(workload.dataset)) if workload.dataset else None
         if self._dataset is None:
             if tokenizer is None:
@@ -101,17 +108,14 @@ class Requests:
         self._index = 0
 
     def next(self) -> RequestSpec:
-        rng, w = self._rng, self.workload
-        tier = rng.choices(list(w.mix), weights=list(w.mix.values()))[0]
+        tier, n, max_tokens = self.workload.draw(self._rng)
         if self._dataset is not None:
             row = self._dataset[self._index % len(self._dataset)]
             prompt = row["prompt"]
             n = len(self.tokenizer.encode(prompt)) if self.tokenizer is not None else None
-            max_tokens = int(row.get("output_tokens") or w.output.draw(rng))
+            max_tokens = int(row.get("output_tokens") or max_tokens)
         else:
-            n = w.prompt.draw(rng)
-            prompt = exact_prompt(self.tokenizer, self._words, n, rng)
-            max_tokens = w.output.draw(rng)
+            prompt = exact_prompt(self.tokenizer, self._words, n, self._words_rng)
         spec = RequestSpec(self._index, tier, prompt, n, max_tokens)
         self._index += 1
         return spec

@@ -20,7 +20,7 @@ def remembered(cache_file: Path, key: str, measure: Callable[[], Any]) -> Any:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         known = {}
-    entry = f"{key}|{_device_name()}|{torch.get_num_threads()}|{torch.__version__}"
+    entry = f"{key}|{device_name()}|{torch.get_num_threads()}|{torch.__version__}"
     if entry not in known:
         known[entry] = measure()
         cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -30,9 +30,9 @@ def remembered(cache_file: Path, key: str, measure: Callable[[], Any]) -> Any:
     return known[entry]
 
 
-def _device_name() -> str:
+def device_name() -> str:
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+        return torch.cuda.getdevice_name()
     # Not platform.processor(): it runs `uname -p` in a subprocess.
     try:
         with open("/proc/cpuinfo") as f:

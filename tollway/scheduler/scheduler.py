@@ -125,6 +125,7 @@ class Scheduler:
         self.step_model = step_model
         self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._auto_kernels = sorted(config.kernels_to_load()) if config.kernel == "auto" else []
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
@@ -226,10 +227,10 @@ class Scheduler:
         config, model = self.config, self.step_model
         if model is None:
             return config.kernel_for(shape.tokens), 0.0
-        known = [k for k in sorted(config.kernels_to_load()) if k in model.coefficients
-                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)] if config.kernel == "auto" else []
-        if not known:
-            kernel = config.kernel_for(shape.tokens)
+        known = [k for k in self._auto_kernels if k in model.coefficients
+                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)]
+        if len(known) < 2:
+            kernel = known[0] if known else config.kernel_for(shape.tokens)
             return kernel, model.predict(shape.with_kernel(kernel))
         headroom = headroom or {}
         predicted = {k: model.predict(shape.with_kernel(k)) for k in known}

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 
@@ -33,9 +34,9 @@ FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What the model sees of a step."""
+class StepShape(NamedTuple):
+    """What the model sees of a step. A tuple: the scheduler and the simulator build one per
+    sequence considered, millions of times in a large simulation."""
 
     kernel: str
     tokens: int = 0
@@ -45,20 +46,22 @@ class StepShape:
 
     @classmethod
     def of(cls, plan) -> StepShape:
-        shape = cls(plan.kernel)
+        tokens = sampled = chunks = pairs = 0
         for s in plan.seqs:
-            shape = shape.plus(s.start_pos, s.num_new, s.num_logit_rows)
-        return shape
+            n = s.num_new
+            tokens, sampled, chunks = tokens + n, sampled + s.num_logit_rows, chunks + (n > 1)
+            pairs += n * s.start_pos + n * (n + 1) // 2
+        return cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
 
     def plus(self, start_pos: int, num_new: int, logit_rows: int) -> StepShape:
         """This step with one more sequence: num_new tokens at positions start_pos.., of which
         the last `logit_rows` go through the LM head (1 to sample, 1 + k to verify k drafts)."""
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
-        return replace(self, tokens=self.tokens + num_new, sampled=self.sampled + int(logit_rows),
-                       attention=self.attention + pairs / 1000, chunks=self.chunks + (num_new > 1))
+        return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows),
+                         self.attention + pairs / 1000, self.chunks + (num_new > 1))
 
     def with_kernel(self, kernel: str) -> StepShape:
-        return replace(self, kernel=kernel)
+        return self._replace(kernel=kernel)
 
     def features(self) -> tuple[float, ...]:
         group = ROW_GROUP.get(self.kernel, 1)

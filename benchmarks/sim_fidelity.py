@@ -1,0 +1,123 @@
+"""Simulator fidelity: one mixed-lane workload on the real engine, then in the simulator on
+this machine's measured profile, compared per tier.
+
+    python benchmarks/sim_fidelity.py          # about 10 min on a quiet 2-core machine
+    python benchmarks/sim_fidelity.py --quick  # a smaller run, for development; writes benchmarks/out/ only
+
+The profile comes from `tollway profile`'s measurement (the runner timed over a grid, its
+jitter, the engine's own time per step), taken in the same run. The workload is a closed loop
+of standard and fast users under the default lanes policy. Speculation is off on both sides:
+the simulator's synthetic tokens give n-gram drafts nothing to find. Targets, per tier:
+throughput and p50 TPOT within 10%, p99 TTFT within 25%. Writes benchmarks/sim_fidelity.json
+(results for the full run) and a section of benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
+
+from common import machine_info, targets_line, write_readme  # noqa: E402
+from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.run import stage_dict  # noqa: E402
+from tollway.bench.stats import SLO  # noqa: E402
+from tollway.bench.workload import Lengths, Workload  # noqa: E402
+from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
+from tollway.engine import Engine  # noqa: E402
+from tollway.model.machine_profiler import Grid, measure  # noqa: E402
+from tollway.sim.engine_run import run_on_engine  # noqa: E402
+from tollway.sim.simulator import simulate  # noqa: E402
+
+FULL = dict(users=24, requests=240, warmup=15.0, prompt=(64, 24, 16, 128), output=(48, 16, 16, 96),
+            mix={"fast": 0.1, "standard": 0.9}, grid=None)
+QUICK = dict(users=8, requests=40, warmup=5.0, prompt=(32, 8, 16, 48), output=(16, 4, 8, 24),
+             mix={"fast": 0.2, "standard": 0.8}, grid=dict(decodes=(1, 8, 32), prefills=(0, 64), repeats=1))
+TARGETS = {"throughput_rel_err": 0.10, "tpot_p50_rel_err": 0.10, "ttft_p99_rel_err": 0.25}
+
+
+def run(s: dict) -> dict:
+    scheduler = SchedulerConfig(speculative_tokens=0)
+    engine = Engine(EngineConfig(scheduler=scheduler), progress=True)
+    started = time.perf_counter()
+    profile = measure(engine, Grid(**s["grid"]) if s["grid"] else Grid())
+    profile_seconds = time.perf_counter() - started
+    workload = Workload(Lengths(*s["prompt"]), Lengths(*s["output"]), True, s["mix"], None, seed=11)
+    load = Profile(f"concurrency {s['users']}", concurrency=s["users"])
+    limits = Limits(max_requests=s["requests"], warmup=s["warmup"])
+    real = stage_dict(run_on_engine(engine, workload, load, limits), SLO({}), None)
+    sim_config = engine.scheduler.config  # the measured kernel crossover, as the engine runs it
+    simulated = simulate(sim_config, profile, workload, [load], limits, progress=True)["stages"][0]
+    tiers = {}
+    for tier in sorted(real["summary"]["tiers"]):
+        r, m = real["summary"]["tiers"][tier], simulated["summary"]["tiers"].get(tier)
+        pairs = {"throughput": (r["output_tok_s"], m and m["output_tok_s"]),
+                 "tpot_p50": (r["tpot"]["p50"], m and m["tpot"]["p50"]),
+                 "ttft_p99": (r["ttft"]["p99"], m and m["ttft"]["p99"])}
+        tiers[tier] = {"requests": r["completed"]}
+        for name, (measured, sim) in pairs.items():
+            tiers[tier] |= {f"{name}_real": measured, f"{name}_sim": sim,
+                            f"{name}_rel_err": abs(sim - measured) / measured if measured and sim is not None else None}
+    targets = {f"{tier}_{metric}_within_{limit:.0%}": (t[metric] is not None and t[metric] <= limit)
+               for tier, t in tiers.items() for metric, limit in TARGETS.items()}
+    for stage in (real, simulated):
+        stage.pop("requests")  # the figures are what is kept; the runs are repeatable
+    return {"command": "python benchmarks/sim_fidelity.py", "machine": machine_info(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "settings": {**s, "workload": workload.to_dict(), "limits": asdict(limits)},
+            "profile": {"hardware": profile.hardware, "steps": len(profile.samples), "overhead": profile.overhead,
+                        "jitter_p90": sorted(profile.jitter)[int(0.9 * (len(profile.jitter) - 1))],
+                        "seconds": profile_seconds},
+            "tiers": tiers, "targets": targets, "real": real, "simulated": simulated}
+
+
+def markdown(r: dict, raw: str) -> str:
+    m, s = r["machine"], r["settings"]
+    lines = [
+        f"Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores). Raw: `{raw}`.",
+        "",
+        f"Workload: {s['users']} closed-loop users (tiers {', '.join(f'{t} {v:.0%}' for t, v in s['mix'].items())}), "
+        f"prompts {s['prompt'][0]}±{s['prompt'][1]} tokens, outputs {s['output'][0]}±{s['output'][1]}, "
+        f"{s['requests']} measured requests after {s['warmup']:.0f} s; lanes policy, speculation off. The simulator ran "
+        f"on the profile `tollway profile` measured in the same run ({r['profile']['steps']} steps, "
+        f"{r['profile']['seconds']:.0f} s).",
+        "",
+        "| tier | requests | output tok/s real / sim | err | TPOT p50 ms real / sim | err | TTFT p99 ms real / sim | err |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for tier, t in r["tiers"].items():
+        def cell(name, scale=1.0, fmt=".1f"):
+            real, sim = t[f"{name}_real"], t[f"{name}_sim"]
+            both = f"{real * scale:{fmt}} / {sim * scale:{fmt}}" if real is not None and sim is not None else "–"
+            err = t[f"{name}_rel_err"]
+            return f"{both} | {'–' if err is None else f'{err:.0%}'}"
+        lines.append(f"| {tier} | {t['requests']} | {cell('throughput')} | {cell('tpot_p50', 1e3, '.0f')} | "
+                     f"{cell('ttft_p99', 1e3, '.0f')} |")
+    lines += ["", targets_line(r["targets"])]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
+    args = parser.parse_args()
+    result = run(QUICK if args.quick else FULL)
+    here = Path(__file__).resolve().parent
+    path = here / ("out/sim_fidelity-quick.json" if args.quick else "sim_fidelity.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    section = markdown(result, str(path.relative_to(here)))
+    if not args.quick:
+        write_readme(here / "README.md", "sim_fidelity", section)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

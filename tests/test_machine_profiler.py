@@ -1,0 +1,37 @@
+"""`tollway profile` on the real runner: a grid of timed steps that the simulator can run on."""
+from __future__ import annotations
+
+from tollway.bench.load import Limits, Profile
+from tollway.bench.workload import Lengths, Workload
+from tollway.model.machine_profiler import Grid, grid_plans, measure
+from tollway.scheduler.step_model import StepShape
+from tollway.sim.machine_profile import MachineProfile
+from tollway.sim.simulator import simulate
+
+TINY = Grid(decodes=(1, 4), contexts=(32, 96), prefills=(0, 16), repeats=1, jitter_repeats=4)
+
+
+def test_the_grid_crosses_kernels_decodes_contexts_and_prefills(make_engine):
+    sched = make_engine(kernel="int8", max_num_seqs=4, num_blocks=64).scheduler.config
+    plans = grid_plans(sched, ["fp32", "int8"], TINY)
+    assert len(plans) == 2 * 2 * 2 * 2
+    shapes = {(p.kernel, p.num_decode, p.num_prefill_tokens, max(s.start_pos for s in p.seqs)) for p in plans}
+    assert ("int8", 4, 16, 96) in shapes and ("fp32", 1, 0, 32) in shapes
+
+
+def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tmp_path):
+    engine = make_engine(kernel="int8", max_num_seqs=8, num_blocks=128)
+    profile = measure(engine, TINY, progress=False)
+    assert not profile.estimate and "this machine" in profile.hardware and profile.dense_kernel
+    assert all(seconds > 0 for *_, seconds in profile.samples) and len(profile.jitter) == 4
+    assert profile.overhead[0] >= 0 and profile.overhead[1] >= 0
+    # The fitted model sees that a step with a prefill chunk costs more than the bare decodes.
+    model = profile.step_model(adaptive=False)
+    decodes = StepShape("int8").plus(96, 1, 1).plus(96, 1, 1)
+    assert model.predict(decodes.plus(0, 16, 1)) > model.predict(decodes)
+    profile.save(tmp_path / "p.json")
+    loaded = MachineProfile.load(tmp_path / "p.json")
+    assert loaded == profile
+    result = simulate(engine.scheduler.config, loaded, Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}),
+                      [Profile("concurrency 4", concurrency=4)], Limits(max_requests=8), progress=False)
+    assert result["stages"][0]["summary"]["all"]["completed"] == 8

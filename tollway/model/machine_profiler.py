@@ -1,0 +1,91 @@
+"""`tollway profile`: time the real runner over a grid of steps and write the machine profile
+the simulator runs on (tollway/sim/machine_profile.py).
+
+The grid crosses decode sequences, context length, prefill tokens and kernel, on top of the
+engine's own start-up profile (step_profile.py). Beside it: the jitter of one step repeated,
+and the engine's time per step outside the runner (planning, committing, detokenizing), from
+a short real run.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from tollway.model.measured import device_name
+from tollway.model.step_profile import profile_plans, samples_to_json
+from tollway.request import SamplingParams
+from tollway.scheduler.plan import ScheduledSeq, StepPlan
+from tollway.scheduler.step_model import StepShape
+from tollway.sim.machine_profile import MachineProfile
+
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass
+class Grid:
+    decodes: tuple[int, ...] = (1, 4, 16, 64)
+    contexts: tuple[int, ...] = (128, 512)
+    prefills: tuple[int, ...] = (0, 64, 256)
+    repeats: int = 3  # each step timed this many times; the median is kept
+    jitter_repeats: int = 12
+
+
+def grid_plans(sched, kernels: list[str], grid: Grid) -> list[StepPlan]:
+    """Every (kernel, decodes, context, prefill) step of the grid that fits the scheduler."""
+    bs = sched.block_size
+    context = min(max(grid.contexts), sched.max_model_len - 2, sched.num_blocks * bs - 2)
+    table = tuple(range(-(-(context + 1) // bs)))
+    plans = []
+    for kernel in kernels:
+        for c in sorted({min(c, context) for c in grid.contexts}):
+            for b in (b for b in grid.decodes if b <= sched.max_num_seqs):
+                for p in (p for p in grid.prefills if b + p <= sched.max_num_batched_tokens):
+                    seqs = [ScheduledSeq(f"d{i}", "standard", (1,), c, table, True, _GREEDY) for i in range(b)]
+                    if p:
+                        seqs.append(ScheduledSeq("prefill", "standard", (1,) * p, 0, table, True, _GREEDY))
+                    plans.append(StepPlan(0, seqs, kernel))
+    return plans
+
+
+def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineProfile:
+    grid = grid or Grid()
+    sched, runner = engine.scheduler.config, engine.runner
+    warm = profile_plans(sched)  # writes the context the grid's decodes read
+    plans = warm + grid_plans(sched, sorted(runner.kernels), grid)
+    samples = []
+    for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False):
+        seconds = statistics.median(runner.execute(plan).seconds for _ in range(grid.repeats))
+        samples.append((StepShape.of(plan), seconds))
+    middle = plans[len(warm) + (len(plans) - len(warm)) // 2]
+    times = [runner.execute(middle).seconds for _ in range(grid.jitter_repeats)]
+    jitter = [t / statistics.median(times) for t in times]
+    cpu = device_name()
+    hardware = f"this machine: {cpu}" + ("" if engine.device.type == "cuda" else f" ({os.cpu_count()} cores)")
+    return MachineProfile(hardware, engine.config.model, samples_to_json(samples), sched.int8_max_tokens,
+                          sched.dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
+                          notes=f"tollway profile, {len(samples)} steps")
+
+
+def engine_overhead(engine, sizes: tuple[int, ...] = (1, 16), new_tokens: int = 12) -> list[float]:
+    """[a, b]: the engine's seconds per step beside the runner, a + b x sequences, fitted over
+    real decode steps of `sizes` concurrent requests."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    points = []
+    for n in sizes:
+        for i in range(n):
+            engine.add_request([100 + i] * 16, params)
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - start
+            if engine.last_plan.seqs:
+                points.append((len(engine.last_plan.seqs), max(0.0, wall - engine.last_result.seconds)))
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return [max(0.0, my - slope * mx), slope]

@@ -1,0 +1,173 @@
+"""The command lines of the simulator: `tollway profile`, `tollway simulate` and `tollway plan`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tollway.bench import cli as bench_cli
+
+DEFAULT_PROFILE = "tollway-profile.json"
+
+
+def add_parsers(sub, add_engine_arguments) -> None:
+    profile = sub.add_parser("profile", help="time the real runner over a grid of steps (or estimate a named "
+                                             "GPU's) and write the machine profile the simulator runs on")
+    profile.add_argument("--hardware", help="estimate from specs instead of measuring: " + ", ".join(_hardware_names()))
+    profile.add_argument("--output", default=DEFAULT_PROFILE, help=f"the profile JSON (default {DEFAULT_PROFILE})")
+    profile.add_argument("--usd-per-hour", type=float, help="one replica's price, kept in the profile")
+    profile.add_argument("--quick", action="store_true", help="a small grid (for a first look)")
+    add_engine_arguments(profile)
+    simulate = sub.add_parser("simulate", help="run a workload on simulated replicas with the real scheduler; "
+                                               "writes the same JSON and HTML as tollway bench")
+    _add_machine_arguments(simulate)
+    simulate.add_argument("--replicas", type=int, default=1)
+    simulate.add_argument("--routing", default="least_outstanding", help="round_robin, least_outstanding, tier_aware")
+    simulate.add_argument("--trace", help="JSONL of {arrival, tier, prompt_tokens, output_tokens}, instead of a load profile")
+    bench_cli.add_load_arguments(simulate, sweep=False)
+    bench_cli.add_workload_arguments(simulate, prompts_from_text=False)
+    bench_cli.add_result_arguments(simulate, "the fleet's price (default: the profile's, per replica)")
+    plan = sub.add_parser("plan", help="the cheapest fleet (replicas, batch cap, fast reserve) that meets every "
+                                       "tier's SLOs at a target rate, by simulation")
+    _add_machine_arguments(plan)
+    plan.add_argument("--qps", type=float, required=True, help="the target request rate")
+    plan.add_argument("--slo", required=True, help="per-tier limits, e.g. ttft=2s,tpot=100ms,fast:tpot=30ms")
+    plan.add_argument("--attainment", type=float, default=0.99, help="share of each tier's requests within its SLOs")
+    plan.add_argument("--requests", type=int, default=2000, help="simulated requests per candidate")
+    plan.add_argument("--max-replicas", type=int, default=64)
+    plan.add_argument("--usd-per-hour", type=float, help="one replica's price (default: the profile's)")
+    plan.add_argument("--quiet", action="store_true")
+    bench_cli.add_workload_arguments(plan, prompts_from_text=False)
+
+
+def _hardware_names() -> list[str]:
+    from tollway.sim.hardware import HARDWARE
+
+    return list(HARDWARE)
+
+
+def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
+    machine = parser.add_argument_group("machine (one of)")
+    machine.add_argument("--profile", help="a profile JSON from `tollway profile`")
+    machine.add_argument("--hardware", help="an analytic estimate: " + ", ".join(_hardware_names()))
+    machine.add_argument("--model", default="gemma3-270m", help="with --hardware: the model whose shapes to use")
+    machine.add_argument("--config", help="a TOML file of [scheduler] and [tiers.<name>] settings")
+    machine.add_argument("--policy", help="lanes, priority or fcfs")
+
+
+def _machine(args):
+    from tollway.sim.machine_profile import MachineProfile
+
+    if (args.profile is None) == (args.hardware is None):
+        raise ValueError("give one of --profile or --hardware")
+    if args.profile:
+        return MachineProfile.load(args.profile)
+    return _estimate(args.hardware, args.model)
+
+
+def _estimate(name: str, model: str):
+    from tollway.model.weights import model_config
+    from tollway.sim.hardware import analytic_profile, hardware
+
+    spec = hardware(name)  # an unknown name fails before the model is read
+    return analytic_profile(model_config(model), model, spec)
+
+
+def _scheduler_config(args):
+    from tollway.config import POLICIES, EngineConfig, load_config
+
+    config = (load_config(args.config) if args.config else EngineConfig()).scheduler
+    if args.policy is not None:
+        if args.policy not in POLICIES:
+            raise ValueError(f"--policy: expected one of {', '.join(POLICIES)}, got {args.policy!r}")
+        config.policy = args.policy
+    return config
+
+
+def profile_main(args) -> int:
+    if args.hardware:
+        profile = _estimate(args.hardware, args.model or "gemma3-270m")
+    else:
+        from tollway.cli import engine_config
+        from tollway.engine import Engine
+        from tollway.model.machine_profiler import Grid, measure
+
+        config = engine_config(args)
+        config.profile_steps = False  # the grid below is the profile
+        grid = Grid(decodes=(1, 8, 32), contexts=(128, 512), prefills=(0, 64), repeats=1, jitter_repeats=6) \
+            if args.quick else Grid()
+        profile = measure(Engine(config), grid)
+    if args.usd_per_hour is not None:
+        profile.usd_per_hour = args.usd_per_hour
+    profile.save(args.output)
+    kind = "estimated" if profile.estimate else "measured"
+    print(f"tollway profile: {kind} {len(profile.samples)} steps on {profile.hardware}; wrote {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+def simulate_main(args) -> int:
+    from tollway.bench.load import Limits
+    from tollway.bench.report import write_report
+    from tollway.bench.run import profile_from_args, write_result
+    from tollway.bench.stats import SLO
+    from tollway.sim.simulator import read_trace, simulate
+
+    machine = _machine(args)
+    workload = bench_cli.workload_from_args(args)
+    trace = read_trace(args.trace) if args.trace else None
+    if trace is not None:
+        if args.concurrency is not None or args.rate is not None:
+            raise ValueError("give a --trace or a load profile (--concurrency, --rate), not both")
+        from tollway.bench.load import Profile
+
+        profiles = [Profile(f"trace {Path(args.trace).name}")]
+        limits = Limits(args.max_requests or len(trace), args.max_duration, args.warmup)
+    else:
+        profiles = [profile_from_args(args.concurrency, args.rate, args.burstiness)]
+        limits = Limits(args.max_requests, args.max_duration, args.warmup)
+    limits.check()
+    result = simulate(_scheduler_config(args), machine, workload, profiles, limits, args.replicas, args.routing,
+                      SLO.parse(args.slo), args.usd_per_hour, trace, progress=not args.quiet)
+    if args.label:
+        result["label"] = args.label
+    output = Path(args.output)
+    json_path, html_path = write_result(result, output), write_report([result], output)
+    bench_cli.print_stages(result)
+    sim = result["simulation"]
+    print(f"tollway simulate: {sim['steps']} steps in {sim['wall_seconds']:.1f} s"
+          + (" (an estimate from specs)" if sim["estimate"] else "") + f"; wrote {json_path} and {html_path}",
+          file=sys.stderr)
+    return 0
+
+
+def plan_main(args) -> int:
+    from rich.table import Table
+
+    from tollway.bench.console import fmt_num, stdout_console
+    from tollway.bench.stats import SLO
+    from tollway.sim.planner import plan
+
+    machine = _machine(args)
+    if args.usd_per_hour is not None:
+        machine.usd_per_hour = args.usd_per_hour
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    ranked = plan(_scheduler_config(args), machine, bench_cli.workload_from_args(args), args.qps, SLO.parse(args.slo),
+                  args.attainment, args.requests, args.max_replicas, progress=not args.quiet)
+    tiers = sorted({t for c in ranked for t in c.attainment})
+    table = Table(title=f"tollway plan: {args.qps:g} req/s on {machine.hardware}"
+                  + (" (estimate from specs)" if machine.estimate else ""), title_justify="left")
+    for column in ("", "fleet", "$/hour", "meets SLOs", *(f"{t} within SLO" for t in tiers),
+                   *(f"{t} $/1M out" for t in tiers)):
+        table.add_column(column, justify="left" if column in ("", "fleet") else "right")
+    for i, c in enumerate(ranked):
+        table.add_row("chosen" if i == 0 and c.meets else ("runner-up" if c.meets else "fails"), c.describe(),
+                      f"{c.usd_per_hour:.2f}", "yes" if c.meets else "no",
+                      *(fmt_num(100 * c.attainment.get(t, 0), ".1f") + "%" for t in tiers),
+                      *(fmt_num(c.cost_per_m_output.get(t), ".3f") for t in tiers))
+    stdout_console().print(table)
+    if not ranked[0].meets:
+        print(f"tollway plan: no fleet of up to {args.max_replicas} replicas meets the SLOs", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,71 @@
+"""A machine profile: what the simulator knows of a machine running a model.
+
+It holds step timings, (shape, seconds) pairs that the StepTimeModel is fitted to, measured
+on a real runner (`tollway profile`) or estimated from hardware specs (hardware.py); the
+engine's own time per step beside the runner (planning, committing, detokenizing); the jitter
+of repeated identical steps; and the kernel settings the scheduler needs. JSON on disk.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tollway.scheduler.step_model import StepShape, StepTimeModel
+
+FORMAT = "tollway-profile/1"
+
+
+@dataclass
+class MachineProfile:
+    hardware: str  # "this machine: AMD EPYC (2 cores)", "H200", ...
+    model: str
+    samples: list[list]  # [kernel, tokens, sampled, attention, chunks, seconds]
+    int8_max_tokens: int  # the scheduler's kernel choice (0: dense only)
+    dense_kernel: str
+    estimate: bool  # True: built from specs, not measured
+    # Engine time per step beside the runner: seconds = a + b * sequences in the step.
+    overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    jitter: list[float] = field(default_factory=list)  # measured / median of repeated steps
+    usd_per_hour: float | None = None  # one replica's price, where known
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MachineProfile:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a tollway step profile ({FORMAT})")
+        fields = {k: v for k, v in data.items() if k != "format"}
+        try:
+            profile = cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"a step profile with bad fields: {e}") from None
+        if not profile.samples:
+            raise ValueError("a step profile without samples")
+        return profile
+
+    @classmethod
+    def load(cls, path: str | Path) -> MachineProfile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except OSError as e:
+            raise ValueError(f"cannot read the profile {path}: {e.strerror}") from None
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is not JSON") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    def shapes(self) -> list[tuple[StepShape, float]]:
+        return [(StepShape(kernel, tokens, sampled, attention, chunks), seconds)
+                for kernel, tokens, sampled, attention, chunks, seconds in self.samples]
+
+    def step_model(self, adaptive: bool = True) -> StepTimeModel:
+        """The model fitted to the samples: adaptive for a scheduler (it tracks its overruns and
+        refits from the steps it sees, as the engine's does, though every 256 steps rather
+        than 16: a refit costs more than a simulated step, and the simulated machine does not
+        drift); fixed for the simulator's ground truth."""
+        return StepTimeModel.fit(self.shapes(), refit_every=256 if adaptive else 1 << 62)

@@ -1,0 +1,298 @@
+"""The discrete-event simulator: the real Scheduler (one per replica), fed the same workloads
+as `tollway bench`, with a step-time profile standing in for the runner.
+
+Each replica loops plan -> "execute" -> commit, as the engine does; a step takes the profile's
+predicted time for its shape, times a draw from the measured jitter, plus the engine's own
+time per step. The schedulers keep their own adaptive step models, as on a real machine.
+Every step is metered by the real attribution code, so a simulated request carries the engine
+seconds a real one would be billed for. The output is a bench result: the same JSON and HTML
+report as a measured run.
+
+Prompts and outputs are random token ids: no prefix-cache hits, and no n-gram drafts for the
+fast lane (speculation is not simulated).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import heapq
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tollway.bench.client import RequestRecord
+from tollway.bench.load import Limits, Profile, Stage
+from tollway.bench.run import FORMAT, stage_dict
+from tollway.bench.stats import SLO
+from tollway.bench.workload import Workload
+from tollway.config import SchedulerConfig
+from tollway.meter.attribution import READINESS, attribute
+from tollway.request import Request, SamplingParams
+from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
+from tollway.scheduler.scheduler import QueueFullError, Scheduler
+from tollway.scheduler.step_model import StepShape
+from tollway.sim.machine_profile import MachineProfile
+from tollway.sim.routing import make_router
+
+_ARRIVAL, _STEP_DONE = 0, 1
+
+
+@dataclass
+class Replica:
+    index: int
+    scheduler: Scheduler
+    outstanding_tokens: int = 0  # prompt + max_tokens of its unfinished requests (for routing)
+    in_flight: tuple[StepPlan, float] | None = None  # the running step and its runner seconds
+    busy_seconds: float = 0.0
+
+
+@dataclass
+class TraceRow:
+    arrival: float  # seconds from the stage's start
+    tier: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """JSONL: {"arrival": s, "tier": "fast", "prompt_tokens": N, "output_tokens": M} per line."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--trace: cannot read {path}: {e.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            rows.append(TraceRow(float(d["arrival"]), str(d.get("tier", "standard")), int(d["prompt_tokens"]),
+                                 int(d["output_tokens"])))
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--trace: line {number} of {path} needs arrival, prompt_tokens and output_tokens") from None
+    if not rows:
+        raise ValueError(f"--trace: {path} has no requests")
+    return sorted(rows, key=lambda r: r.arrival)
+
+
+@dataclass
+class _Stage:
+    profile: Profile
+    limits: Limits
+    start: float
+    users: int = 0  # closed loop: requests to send as others finish
+    measured: int = 0
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, config: SchedulerConfig, profile: MachineProfile, replicas: int = 1,
+                 routing: str = "least_outstanding", seed: int = 0, keep_chunks: bool = True):
+        if replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        config = copy.deepcopy(config)
+        config.int8_max_tokens, config.dense_kernel = profile.int8_max_tokens, profile.dense_kernel
+        config.validate()
+        self.config, self.profile = config, profile
+        self.now = 0.0
+        self.truth = profile.step_model(adaptive=False)
+        clock = lambda: self.now  # noqa: E731
+        self.replicas = [Replica(i, Scheduler(copy.deepcopy(config), profile.step_model(), clock))
+                         for i in range(replicas)]
+        self.route = make_router(routing)
+        self.routing = routing
+        self.rng = random.Random(seed)
+        self.keep_chunks = keep_chunks
+        self._events: list = []
+        self._order = 0
+        self._live: dict[str, tuple[RequestRecord, Replica, _Stage]] = {}
+        self._ids = 0
+        self._token = seed
+        self.steps: list[tuple[float, int, int, float]] = []  # (start, sequences, tokens, seconds)
+
+    # ---- a stage ---------------------------------------------------------------------------
+
+    def run_stage(self, workload: Workload, profile: Profile, limits: Limits, trace: list[TraceRow] | None = None,
+                  progress: bool = True) -> Stage:
+        """One stage of load, as `tollway bench` runs it, until every request it sent is done."""
+        limits.check()
+        stage = _Stage(profile, limits, self.now)
+        draws = random.Random(workload.seed)
+        if trace is not None:
+            shapes = iter((r.tier, r.prompt_tokens, r.output_tokens) for r in trace)
+            for row in trace:
+                self._push(stage.start + row.arrival, _ARRIVAL, stage)
+        else:
+            shapes = iter(lambda: workload.draw(draws), None)
+        self._shapes = shapes
+        step_log_start = len(self.steps)
+        with tqdm(total=limits.max_requests, desc=f"simulating {profile.name}", unit="req", disable=not progress,
+                  leave=False) as bar:
+            self._bar = bar
+            if trace is None and profile.concurrency is not None:
+                for _ in range(profile.concurrency):
+                    self._push(self.now, _ARRIVAL, stage)
+            elif trace is None:
+                self._arrivals = random.Random(workload.seed + 1)
+                self._push(self.now, _ARRIVAL, stage)
+            self._trace = trace is not None
+            while self._events:
+                t, _, kind, data = heapq.heappop(self._events)
+                self.now = t
+                if kind == _ARRIVAL:
+                    self._arrive(data)
+                else:
+                    self._finish_step(data)
+        end = max([self.now, *(r.end for r in stage.records if r.end is not None)])
+        steps = _step_series(self.steps[step_log_start:], stage.start, end)
+        return Stage(profile, stage.start, end, sorted(stage.records, key=lambda r: r.index), steps)
+
+    def _more(self, stage: _Stage) -> bool:
+        limits = stage.limits
+        if limits.max_duration is not None and self.now - stage.start >= limits.max_duration:
+            return False
+        return limits.max_requests is None or stage.measured < limits.max_requests
+
+    def _push(self, t: float, kind: int, data) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (t, self._order, kind, data))
+
+    def _arrive(self, stage: _Stage) -> None:
+        if not self._more(stage):
+            return
+        shape = next(self._shapes, None)
+        if shape is None:
+            return
+        tier, prompt_tokens, max_tokens = shape
+        warmup = self.now - stage.start < stage.limits.warmup
+        stage.measured += not warmup
+        if not self._trace and stage.profile.rate is not None:
+            shape_k = stage.profile.burstiness
+            self._push(self.now + self._arrivals.gammavariate(shape_k, 1.0 / (stage.profile.rate * shape_k)),
+                       _ARRIVAL, stage)
+        self._ids += 1
+        rid = f"sim-{self._ids}"
+        record = RequestRecord(self._ids, stage.profile.name, tier, warmup, prompt_tokens, max_tokens, self.now)
+        stage.records.append(record)
+        # A first token of its own makes every block's hash its own (no prefix-cache hits), and
+        # the rest costs nothing to make.
+        prompt = [1_000_000 + self._ids, *range(1000, 1000 + prompt_tokens - 1)]
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          tier=tier, arrival_time=self.now)
+        replica = self.replicas[self.route(self.replicas, tier)]
+        try:
+            replica.scheduler.add(request)
+        except QueueFullError as e:
+            record.error, record.error_message, record.end = "http_429", str(e), self.now
+            self._done(record, stage)
+            return
+        except ValueError as e:  # a prompt past the context
+            record.error, record.error_message, record.end = "http_400", str(e), self.now
+            self._done(record, stage)
+            return
+        record.engine_seconds = 0.0
+        replica.outstanding_tokens += prompt_tokens + max_tokens
+        self._live[rid] = (record, replica, stage)
+        if replica.in_flight is None:
+            self._start_step(replica)
+
+    def _done(self, record: RequestRecord, stage: _Stage) -> None:
+        """A request ended: the closed loop's user sends the next, as a client would at once
+        (after a refusal, a millisecond later: simulated time must move)."""
+        if not record.warmup:
+            self._bar.update()
+        if stage.profile.concurrency is not None and not self._trace:
+            if record.error:
+                self._push(self.now + 1e-3, _ARRIVAL, stage)
+            else:
+                self._arrive(stage)  # before the replica plans its next step, as the engine's callers do
+
+    def _next_token(self) -> int:
+        """Output tokens that do not repeat within a request, so that n-gram drafts find nothing."""
+        self._token = (self._token * 1103515245 + 12345) % (1 << 31)
+        return 1000 + self._token % 199_000
+
+    def _start_step(self, replica: Replica) -> None:
+        plan = replica.scheduler.plan()
+        if not plan.seqs:
+            replica.in_flight = None
+            return
+        shape = StepShape.of(plan)
+        runner = self.truth.predict(shape) * (self.rng.choice(self.profile.jitter) if self.profile.jitter else 1.0)
+        seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * len(plan.seqs)
+        replica.in_flight = (plan, runner)
+        replica.busy_seconds += seconds
+        self.steps.append((self.now, len(plan.seqs), plan.num_tokens, seconds))
+        self._push(self.now + seconds, _STEP_DONE, replica)
+
+    def _finish_step(self, replica: Replica) -> None:
+        plan, runner = replica.in_flight
+        tokens = {s.request_id: [SampledToken(self._next_token())] for s in plan.seqs if s.sample}
+        changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
+        coefficients = self.truth.coefficients[plan.kernel]
+        for rid, seconds in attribute(plan, runner, coefficients, 1.0).items():
+            if rid != READINESS:  # readiness is billed to the next fast request; here, dropped
+                self._live[rid][0].engine_seconds += seconds
+        for request in changed:
+            record, _, stage = self._live[request.request_id]
+            if record.first_token is None:
+                record.first_token = self.now
+            if self.keep_chunks:
+                record.chunk_times.append(self.now)
+            if request.finished:
+                del self._live[request.request_id]
+                record.end, record.output_tokens = self.now, len(request.output_token_ids)
+                replica.outstanding_tokens -= record.prompt_tokens + record.max_tokens
+                self._done(record, stage)
+        self._start_step(replica)
+        for other in self.replicas:  # new closed-loop requests may have gone to an idle replica
+            if other.in_flight is None and other.scheduler.has_unfinished():
+                self._start_step(other)
+
+
+def _step_series(steps: list[tuple[float, int, int, float]], start: float, end: float) -> list[dict]:
+    """Steps over time in about 200 buckets: the shape `tollway bench` reads from /metrics."""
+    if not steps:
+        return []
+    width = max((end - start) / 200, 1e-9)
+    buckets: dict[int, list] = {}
+    for t, seqs, tokens, seconds in steps:
+        b = buckets.setdefault(int((t - start) / width), [0, 0, 0, 0.0])
+        b[0] += 1
+        b[1] += seqs
+        b[2] += tokens
+        b[3] += seconds
+    return [{"t": start + (k + 1) * width, "interval": width, "steps": n, "seqs_per_step": seqs / n,
+             "tokens_per_step": tokens / n, "seconds_per_step": secs / n}
+            for k, (n, seqs, tokens, secs) in sorted(buckets.items())]
+
+
+def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, profiles: list[Profile], limits: Limits,
+             replicas: int = 1, routing: str = "least_outstanding", slo: SLO | None = None,
+             usd_per_hour: float | None = None, trace: list[TraceRow] | None = None, progress: bool = True,
+             keep_chunks: bool = True) -> dict:
+    """A bench result (FORMAT) for the workload on `replicas` simulated replicas."""
+    slo = slo or SLO({})
+    started = time.perf_counter()
+    sim = Simulator(config, profile, replicas, routing, workload.seed, keep_chunks)
+    stages = [sim.run_stage(workload, p, limits, trace, progress) for p in profiles]
+    fleet_price = usd_per_hour if usd_per_hour is not None else (
+        profile.usd_per_hour * replicas if profile.usd_per_hour is not None else None)
+    label = f"simulated: {replicas} x {profile.hardware}" + (" (estimate)" if profile.estimate else "")
+    busy = sum(r.busy_seconds for r in sim.replicas)
+    return {
+        "format": FORMAT, "label": label, "url": "simulated", "model": profile.model, "endpoint": "simulated",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "workload": workload.to_dict(), "limits": asdict(limits), "slo": slo.limits, "usd_per_hour": fleet_price,
+        "steps_exposed": True,
+        "stages": [stage_dict(s, slo, fleet_price) for s in stages],
+        "simulation": {"hardware": profile.hardware, "estimate": profile.estimate, "replicas": replicas,
+                       "routing": routing, "policy": config.policy, "max_num_seqs": config.max_num_seqs,
+                       "fast_reserved_seq_share": config.tiers["fast"].reserved_seq_share,
+                       "steps": len(sim.steps), "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
+                       "trace": trace is not None},
+    }
