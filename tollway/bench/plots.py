@@ -27,6 +27,19 @@ def _svg(fig) -> str:
     return text[text.index("<svg"):]
 
 
+def _finished(fig, ax, drawn: bool, xlabel: str, ylabel: str, title: str, **legend) -> str | None:
+    """The figure as SVG with its labels, grid and legend; None (and closed) if nothing was drawn."""
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, **legend)
+    return _svg(fig)
+
+
 def _label(runs: list[dict], run: dict, what: str) -> str:
     return f"{what} ({run['label']})" if len(runs) > 1 else what
 
@@ -79,15 +92,8 @@ def pareto(runs: list[dict]) -> str | None:
             for x, y, name in points:
                 ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
             drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("tokens/s per user (1 / TPOT)")
-    ax.set_ylabel("total output tokens/s")
-    ax.set_title("Throughput against speed per user, by stage")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _svg(fig)
+    return _finished(fig, ax, drawn, "tokens/s per user (1 / TPOT)", "total output tokens/s",
+                     "Throughput against speed per user, by stage")
 
 
 def cost_curve(runs: list[dict]) -> str | None:
@@ -103,17 +109,11 @@ def cost_curve(runs: list[dict]) -> str | None:
             ax.plot([p[0] for p in points], [p[1] for p in points], "o", ls=RUN_STYLES[i % len(RUN_STYLES)],
                     color=TIER_COLORS.get(tier), label=_label(runs, run, tier))
             drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("requests in flight (mean)")
-    ax.set_ylabel("$ per 1M output tokens")
-    ax.set_title("Cost per 1M output tokens against concurrency")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return _svg(fig)
+    if drawn:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    return _finished(fig, ax, drawn, "requests in flight (mean)", "$ per 1M output tokens",
+                     "Cost per 1M output tokens against concurrency")
 
 
 def step_sizes(runs: list[dict]) -> str | None:
@@ -131,15 +131,8 @@ def step_sizes(runs: list[dict]) -> str | None:
                 ax.text(stage["start"], 1.0, stage["profile"]["name"], fontsize=7, va="top",
                         transform=ax.get_xaxis_transform())
             drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("seconds since the bench started")
-    ax.set_ylabel("sequences per step (mean)")
-    ax.set_title("The server's step size over time (from /metrics)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    return _svg(fig)
+    return _finished(fig, ax, drawn, "seconds since the bench started", "sequences per step (mean)",
+                     "The server's step size over time (from /metrics)", loc="upper right")
 
 
 PLOTS = (("latency", "Latency distributions", latency_cdfs),

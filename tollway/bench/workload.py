@@ -153,22 +153,30 @@ def _plain_words(tokenizer) -> list[str]:
     return words
 
 
-def _read_dataset(path: Path) -> list[dict]:
-    rows = []
+def read_jsonl(path: str | Path, flag: str) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-empty line; a clear error naming `flag` otherwise."""
     try:
-        lines = path.read_text().splitlines()
+        lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ValueError(f"--dataset: cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+    rows = []
     for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"--dataset: line {number} of {path} is not JSON") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"--dataset: line {number} of {path} needs a string 'prompt'")
-        rows.append(row)
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{flag}: line {number} of {path} is not JSON") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{flag}: line {number} of {path} is not a JSON object")
+            rows.append((number, row))
     if not rows:
-        raise ValueError(f"--dataset: {path} has no prompts")
+        raise ValueError(f"{flag}: {path} is empty")
     return rows
+
+
+def _read_dataset(path: Path) -> list[dict]:
+    rows = read_jsonl(path, "--dataset")
+    for number, row in rows:
+        if not isinstance(row.get("prompt"), str):
+            raise ValueError(f"--dataset: line {number} of {path} needs a string 'prompt'")
+    return [row for _, row in rows]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import datetime
 import heapq
-import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from tollway.bench.client import RequestRecord
 from tollway.bench.load import Limits, Profile, Stage
 from tollway.bench.run import FORMAT, stage_dict
 from tollway.bench.stats import SLO
-from tollway.bench.workload import Workload
+from tollway.bench.workload import Workload, read_jsonl
 from tollway.config import SchedulerConfig
 from tollway.meter.attribution import READINESS, attribute
 from tollway.request import Request, SamplingParams
@@ -61,21 +60,12 @@ class TraceRow:
 def read_trace(path: str | Path) -> list[TraceRow]:
     """JSONL: {"arrival": s, "tier": "fast", "prompt_tokens": N, "output_tokens": M} per line."""
     rows = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"--trace: cannot read {path}: {e.strerror}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, d in read_jsonl(path, "--trace"):
         try:
-            d = json.loads(line)
             rows.append(TraceRow(float(d["arrival"]), str(d.get("tier", "standard")), int(d["prompt_tokens"]),
                                  int(d["output_tokens"])))
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"--trace: line {number} of {path} needs arrival, prompt_tokens and output_tokens") from None
-    if not rows:
-        raise ValueError(f"--trace: {path} has no requests")
     return sorted(rows, key=lambda r: r.arrival)
 
 
