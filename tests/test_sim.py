@@ -137,6 +137,7 @@ def test_analytic_profiles_follow_the_specs_and_say_they_are_estimates():
     assert decode(h200, 1) < decode(a100, 1) < decode(l4, 1)  # bandwidth-bound: by memory bandwidth
     assert decode(h200, 64) < 64 * decode(h200, 1)  # batching is nearly free while memory-bound
     profile = analytic_profile(GEMMA_270M, "gemma3-270m", h200)
+    assert profile.kv_tokens > analytic_profile(GEMMA_270M, "gemma3-270m", a100).kv_tokens > 0  # 141 GB vs 80
     assert profile.estimate and profile.dense_kernel == "bf16" and profile.usd_per_hour == h200.usd_per_hour
     result = run(profile, requests=100)
     assert "(estimate)" in result["label"] and result["simulation"]["estimate"]

@@ -23,6 +23,7 @@ from tollway.sim.machine_profile import MachineProfile
 # reaches 70-85% of HBM bandwidth; prefill GEMMs 50-70% of dense peak).
 BANDWIDTH_EFFICIENCY = 0.75
 COMPUTE_EFFICIENCY = 0.6
+MEMORY_FOR_KV = 0.9  # of device memory left after the weights (vLLM's gpu_memory_utilization)
 
 
 @dataclass(frozen=True)
@@ -33,18 +34,19 @@ class Hardware:
     fp8_tflops: float | None
     usd_per_hour: float  # on-demand, one device, late 2026 cloud list prices (rounded)
     fixed_seconds: float  # per step: launches and host work the roofline misses
+    memory_gb: float  # device memory: weights, then KV cache
     weight_bytes: float = 2.0  # per parameter as served
     kernel: str = "bf16"  # the dense kernel tollway runs there
 
 
 # Datasheet figures (dense). CPU: this project's 2-core AVX2 VM class, fp32 FMA peak.
 HARDWARE = {h.name: h for h in (
-    Hardware("H100", 3350, 989, 1979, 2.50, 0.0015),
-    Hardware("H200", 4800, 989, 1979, 3.50, 0.0015),
-    Hardware("B200", 8000, 2250, 4500, 5.50, 0.0015),
-    Hardware("A100", 2039, 312, None, 1.50, 0.0020),
-    Hardware("L4", 300, 121, 242, 0.70, 0.0020),
-    Hardware("CPU-2core-AVX2", 12, 0.19, None, 0.10, 0.0050, weight_bytes=4.0, kernel="fp32"),
+    Hardware("H100", 3350, 989, 1979, 2.50, 0.0015, 80),
+    Hardware("H200", 4800, 989, 1979, 3.50, 0.0015, 141),
+    Hardware("B200", 8000, 2250, 4500, 5.50, 0.0015, 180),
+    Hardware("A100", 2039, 312, None, 1.50, 0.0020, 80),
+    Hardware("L4", 300, 121, 242, 0.70, 0.0020, 24),
+    Hardware("CPU-2core-AVX2", 12, 0.19, None, 0.10, 0.0050, 24, weight_bytes=4.0, kernel="fp32"),
 )}
 
 
@@ -63,10 +65,22 @@ def linear_parameters(m: ModelConfig) -> tuple[float, float]:
     return m.num_layers * (attention + mlp), m.vocab_size * m.hidden_size
 
 
+def kv_bytes_per_token(m: ModelConfig) -> int:
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2  # K and V, bf16
+
+
+def kv_tokens(m: ModelConfig, h: Hardware) -> int:
+    """Tokens of KV cache that fit beside the weights."""
+    body, head = linear_parameters(m)
+    free = h.memory_gb * 1e9 * MEMORY_FOR_KV - (body + head) * h.weight_bytes
+    if free <= 0:
+        raise ValueError(f"the model's weights do not fit in {h.name}'s {h.memory_gb:g} GB")
+    return int(free // kv_bytes_per_token(m))
+
+
 def step_seconds(m: ModelConfig, h: Hardware, tokens: int, sampled: int, pairs: float) -> float:
     body, head = linear_parameters(m)
-    kv_bytes_per_pair = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2  # K and V, bf16
-    moved = (body + head) * h.weight_bytes + pairs * kv_bytes_per_pair
+    moved = (body + head) * h.weight_bytes + pairs * kv_bytes_per_token(m)
     flops = 2 * body * tokens + 2 * head * sampled + 4 * m.num_heads * m.head_dim * m.num_layers * pairs
     return h.fixed_seconds + max(moved / (h.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY),
                                  flops / (h.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY))
@@ -88,7 +102,7 @@ def analytic_profile(m: ModelConfig, model_name: str, h: Hardware, max_num_seqs:
                 samples.append([h.kernel, tokens, sampled, shape_pairs, int(prefill > 0),
                                 step_seconds(m, h, tokens, sampled, pairs)])
     return MachineProfile(h.name, model_name, samples, int8_max_tokens=0, dense_kernel=h.kernel, estimate=True,
-                          usd_per_hour=h.usd_per_hour,
+                          usd_per_hour=h.usd_per_hour, kv_tokens=kv_tokens(m, h),
                           notes=(f"estimate from specs: {h.bandwidth_gb_s:g} GB/s x {BANDWIDTH_EFFICIENCY}, "
                                  f"{h.bf16_tflops:g} TFLOP/s bf16 x {COMPUTE_EFFICIENCY}, {h.fixed_seconds * 1e3:g} ms "
                                  "fixed per step"))

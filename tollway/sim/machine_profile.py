@@ -28,6 +28,7 @@ class MachineProfile:
     overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])
     jitter: list[float] = field(default_factory=list)  # measured / median of repeated steps
     usd_per_hour: float | None = None  # one replica's price, where known
+    kv_tokens: int | None = None  # KV cache capacity, where the profile knows it (sets num_blocks)
     notes: str = ""
 
     def to_dict(self) -> dict:

@@ -86,6 +86,8 @@ class Simulator:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
         config.int8_max_tokens, config.dense_kernel = profile.int8_max_tokens, profile.dense_kernel
+        if profile.kv_tokens is not None:
+            config.num_blocks = max(1, profile.kv_tokens // config.block_size)
         config.validate()
         self.config, self.profile = config, profile
         self.now = 0.0
