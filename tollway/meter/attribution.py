@@ -16,7 +16,6 @@ the whole step: attributed cost is conserved.
 from __future__ import annotations
 
 from tollway.scheduler.plan import StepPlan
-from tollway.scheduler.step_model import StepShape
 
 READINESS = "(fast lane readiness)"  # not a request id: the capacity a ready fast lane held idle
 
@@ -27,10 +26,13 @@ def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_p
     total = seconds * price_per_second
     if not plan.seqs:
         return {}
-    fixed, marginal = coefficients[0], {}
-    for s in plan.seqs:
-        features = StepShape("").plus(s.start_pos, s.num_new, s.num_logit_rows).features()
-        marginal[s.request_id] = sum(c * x for c, x in zip(coefficients[1:], features[1:]))
+    fixed, per_token, per_row, per_pair, per_chunk = coefficients
+    marginal = {}
+    for s in plan.seqs:  # the step model's features of this sequence alone (StepShape.plus), unrounded
+        n = s.num_new
+        pairs = n * s.start_pos + n * (n + 1) // 2
+        marginal[s.request_id] = (per_token * n + per_row * s.num_logit_rows + per_pair * pairs / 1000
+                                  + per_chunk * (n > 1))
     work = sum(marginal.values())
     if work <= 0:  # a model that sees no work: split evenly
         return {rid: total / len(marginal) for rid in marginal}

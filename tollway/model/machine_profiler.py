@@ -35,18 +35,25 @@ class Grid:
 
 
 def grid_plans(sched, kernels: list[str], grid: Grid) -> list[StepPlan]:
-    """Every (kernel, decodes, context, prefill) step of the grid that fits the scheduler."""
+    """Every (kernel, decodes, context, prefill) step of the grid that fits the scheduler.
+    Each sequence reads its own KV blocks, as in real traffic: decodes sharing one block table
+    would find each other's keys in cache and time too fast."""
     bs = sched.block_size
     context = min(max(grid.contexts), sched.max_model_len - 2, sched.num_blocks * bs - 2)
-    table = tuple(range(-(-(context + 1) // bs)))
+    per_seq = -(-(context + 1) // bs)
+
+    def table(i: int) -> tuple[int, ...]:
+        start = (i * per_seq) % max(1, sched.num_blocks - per_seq + 1)
+        return tuple(range(start, start + per_seq))
+
     plans = []
     for kernel in kernels:
         for c in sorted({min(c, context) for c in grid.contexts}):
             for b in (b for b in grid.decodes if b <= sched.max_num_seqs):
                 for p in (p for p in grid.prefills if b + p <= sched.max_num_batched_tokens):
-                    seqs = [ScheduledSeq(f"d{i}", "standard", (1,), c, table, True, _GREEDY) for i in range(b)]
+                    seqs = [ScheduledSeq(f"d{i}", "standard", (1,), c, table(i), True, _GREEDY) for i in range(b)]
                     if p:
-                        seqs.append(ScheduledSeq("prefill", "standard", (1,) * p, 0, table, True, _GREEDY))
+                        seqs.append(ScheduledSeq("prefill", "standard", (1,) * p, 0, table(b), True, _GREEDY))
                     plans.append(StepPlan(0, seqs, kernel))
     return plans
 

@@ -132,7 +132,9 @@ class StepTimeModel:
         c = self.coefficients.get(shape.kernel)
         if c is None:
             raise ValueError(f"the step model knows kernels {sorted(self.coefficients)}, not {shape.kernel!r}")
-        return sum(w * x for w, x in zip(c, shape.features()))
+        group = ROW_GROUP.get(shape.kernel, 1)  # features(), written out: this runs per sequence considered
+        return (c[0] + c[1] * (-(-shape.tokens // group) * group) + c[2] * (-(-shape.sampled // group) * group)
+                + c[3] * shape.attention + c[4] * shape.chunks)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step of this shape took `seconds`: score the prediction, then learn from it."""

@@ -35,6 +35,8 @@ def add_parsers(sub, add_engine_arguments) -> None:
     plan.add_argument("--attainment", type=float, default=0.99, help="share of each tier's requests within its SLOs")
     plan.add_argument("--requests", type=int, default=2000, help="simulated requests per candidate")
     plan.add_argument("--max-replicas", type=int, default=64)
+    plan.add_argument("--batch-caps", default="64,128,256", help="max_num_seqs values to try")
+    plan.add_argument("--reserves", default="0.05,0.125,0.25", help="fast reserved_seq_share values to try")
     plan.add_argument("--usd-per-hour", type=float, help="one replica's price (default: the profile's)")
     plan.add_argument("--quiet", action="store_true")
     bench_cli.add_workload_arguments(plan, prompts_from_text=False)
@@ -141,6 +143,16 @@ def simulate_main(args) -> int:
     return 0
 
 
+def _numbers(text: str, flag: str, kind):
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag}: give at least one value")
+    return values
+
+
 def plan_main(args) -> int:
     from rich.table import Table
 
@@ -153,8 +165,10 @@ def plan_main(args) -> int:
         machine.usd_per_hour = args.usd_per_hour
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    caps = tuple(_numbers(args.batch_caps, "--batch-caps", int))
+    reserves = tuple(_numbers(args.reserves, "--reserves", float))
     ranked = plan(_scheduler_config(args), machine, bench_cli.workload_from_args(args), args.qps, SLO.parse(args.slo),
-                  args.attainment, args.requests, args.max_replicas, progress=not args.quiet)
+                  args.attainment, args.requests, args.max_replicas, caps, reserves, progress=not args.quiet)
     tiers = sorted({t for c in ranked for t in c.attainment})
     table = Table(title=f"tollway plan: {args.qps:g} req/s on {machine.hardware}"
                   + (" (estimate from specs)" if machine.estimate else ""), title_justify="left")
