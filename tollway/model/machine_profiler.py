@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from tollway.model.measured import device_name
-from tollway.model.step_profile import profile_plans, samples_to_json
+from tollway.model.step_profile import block_tables, profile_plans, samples_to_json
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import StepShape
@@ -36,16 +36,9 @@ class Grid:
 
 def grid_plans(sched, kernels: list[str], grid: Grid) -> list[StepPlan]:
     """Every (kernel, decodes, context, prefill) step of the grid that fits the scheduler.
-    Each sequence reads its own KV blocks, as in real traffic: decodes sharing one block table
-    would find each other's keys in cache and time too fast."""
-    bs = sched.block_size
-    context = min(max(grid.contexts), sched.max_model_len - 2, sched.num_blocks * bs - 2)
-    per_seq = -(-(context + 1) // bs)
-
-    def table(i: int) -> tuple[int, ...]:
-        start = (i * per_seq) % max(1, sched.num_blocks - per_seq + 1)
-        return tuple(range(start, start + per_seq))
-
+    Each sequence reads its own KV blocks (block_tables)."""
+    context = min(max(grid.contexts), sched.max_model_len - 2, sched.num_blocks * sched.block_size - 2)
+    table = block_tables(sched, context)
     plans = []
     for kernel in kernels:
         for c in sorted({min(c, context) for c in grid.contexts}):

@@ -2,12 +2,13 @@
 
 The steps span what the scheduler will plan: decode batches from 1 to max_num_seqs at a short
 and a long context, and prefill chunks up to the token budget, with and without earlier
-context. All decodes read one prompt's KV through a shared block table, so the profile needs
-no real requests and leaves nothing behind that a request could read.
+context. Each decode reads its own blocks of the KV cache, as real sequences do; the profile
+needs no real requests, and nothing a request could read is left in the prefix cache.
 """
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -19,10 +20,23 @@ from tollway.scheduler.step_model import StepShape
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+def block_tables(sched: SchedulerConfig, context: int) -> Callable[[int], tuple[int, ...]]:
+    """table(i): the i-th sequence's own blocks for `context` tokens (wrapping round the pool
+    only past its size). Sequences sharing one table would find each other's keys in cache, and
+    attention would time faster than in real traffic."""
+    per_seq = -(-(context + 1) // sched.block_size)
+
+    def table(i: int) -> tuple[int, ...]:
+        start = (i * per_seq) % max(1, sched.num_blocks - per_seq + 1)
+        return tuple(range(start, start + per_seq))
+    return table
+
+
 def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
     bs = sched.block_size
     context = min(512, sched.max_model_len - 2, sched.num_blocks * bs - 2)
-    table = tuple(range(-(-(context + 1) // bs)))
+    tables = block_tables(sched, context)
+    table = tables(0)
     budget = sched.max_num_batched_tokens
 
     def plan(seqs: list[ScheduledSeq]) -> StepPlan:
@@ -43,13 +57,13 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
                    | {min(sched.max_num_seqs, budget)})
     for c in (context // 4, context):
         for b in sizes:
-            plans.append(plan([ScheduledSeq(f"p{i}", "standard", (1,), c, table, True, _GREEDY) for i in range(b)]))
+            plans.append(plan([ScheduledSeq(f"p{i}", "standard", (1,), c, tables(i), True, _GREEDY) for i in range(b)]))
     return plans
 
 
 def profile_key(sched: SchedulerConfig) -> str:
     """What the profile plans depend on."""
-    return (f"steps-v2|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
+    return (f"steps-v3|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
             f"{sched.max_num_seqs}|{sched.max_num_batched_tokens}|{_context(sched)}")
 
 
