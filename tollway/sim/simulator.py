@@ -74,7 +74,6 @@ class _Stage:
     profile: Profile
     limits: Limits
     start: float
-    users: int = 0  # closed loop: requests to send as others finish
     measured: int = 0
     records: list[RequestRecord] = field(default_factory=list)
 
@@ -96,7 +95,6 @@ class Simulator:
         self.replicas = [Replica(i, Scheduler(copy.deepcopy(config), profile.step_model(), clock))
                          for i in range(replicas)]
         self.route = make_router(routing)
-        self.routing = routing
         self.rng = random.Random(seed)
         self.keep_chunks = keep_chunks
         self._events: list = []
