@@ -114,7 +114,7 @@ class LoadRun:
                         "standard_waiting": waiting_standard + skipped, "in_window": window[0] <= done <= window[1],
                         # the plan with one more standard decode: whether the budget had room for it
                         "one_more": engine.step_model.predict(
-                            StepShape.of(plan).plus(self.typical_context, 1, 1).with_kernel(plan.kernel)),
+                            plan.shape.plus(self.typical_context, 1, 1)),
                     })
                 for out in outputs:
                     record = self.requests[out.request_id]
@@ -208,7 +208,7 @@ def fast_arrival_times(engine: Engine, s: dict, seed: int) -> list[float]:
     shape = StepShape("")
     for _ in range(s["streams"]):
         shape = shape.plus(s["standard_prompt"] + s["standard_tokens"] // 2, 1, 1)
-    step = engine.step_model.predict(shape.with_kernel(engine.scheduler.kernel_for(shape)))
+    step = engine.step_model.predict(shape, engine.scheduler.kernel_for(shape))
     standard_rate = s["streams"] / (s["standard_tokens"] * step * 1.3)  # 1.3: the prefill share
     rate = standard_rate * s["fast_share"] / (1 - s["fast_share"])
     rng, t, times = random.Random(seed), s["warmup"] / 2, []

@@ -54,7 +54,7 @@ def fast_only_seconds(sched, plan) -> float:
     for s in plan.seqs:
         if s.tier == "fast":
             shape = shape.plus(s.start_pos, s.num_new, s.num_logit_rows)
-    return sched.step_model.predict(shape.with_kernel(sched.kernel_for(shape)))
+    return sched.step_model.predict(shape, sched.kernel_for(shape))
 
 
 def with_one_more_decode(sched, plan) -> float:
@@ -123,7 +123,7 @@ def test_standard_batch_grows_to_the_largest_that_meets_its_slo():
         for r in sched.running.values():
             shape = shape.plus(r.num_tokens, 1, True)
         shape = shape.plus(16, 1, True)
-        assert sched.step_model.predict(shape.with_kernel(sched.kernel_for(shape))) > slo
+        assert sched.step_model.predict(shape, sched.kernel_for(shape)) > slo
     assert sizes[0.2] < sizes[0.5] < sizes[1.0]
 
 

@@ -60,15 +60,16 @@ def test_prefill_chunk_counts_every_query_key_pair(start, n):
     assert shape.attention == pytest.approx(brute / 1000)
 
 
-def test_plus_accumulates_and_with_kernel_keeps_the_work():
+def test_plus_accumulates_and_another_kernel_sees_the_same_work():
     shape = StepShape("int8").plus(0, 8, True).plus(5, 1, True).plus(20, 3, False)
     assert (shape.tokens, shape.sampled) == (12, 2)
     assert shape.attention == pytest.approx((8 * 9 // 2 + 6 + 3 * 20 + 6) / 1000)
     # Rows rounded up to the kernel's row group (int8: 4); two chunks, of 8 and 3 tokens.
     assert shape.features() == (1.0, 12.0, 4.0, shape.attention, 2.0)
-    moved = shape.with_kernel("fp32")
-    assert (moved.kernel, moved.tokens, moved.sampled, moved.attention) == ("fp32", 12, 2, shape.attention)
+    moved = shape._replace(kernel="fp32")
     assert moved.features() == (1.0, 16.0, 8.0, shape.attention, 2.0)
+    model = StepTimeModel({"int8": [0.0, 1.0, 0.0, 0.0, 0.0], "fp32": [0.0, 2.0, 0.0, 0.0, 0.0]})
+    assert (model.predict(shape), model.predict(shape, "fp32"), model.predict(moved)) == (12.0, 32.0, 32.0)
 
 
 def test_a_row_past_the_group_costs_the_whole_group():
@@ -197,7 +198,7 @@ def test_observe_ignores_nonpositive_times_and_unknown_kernels():
     model = StepTimeModel(TRUTH, refit_every=1)
     shape = decode_batch("int8", 4, 100)
     for kernel, secs in (("int8", 0.0), ("int8", -0.5), ("bf16", 0.2)):
-        model.observe(shape.with_kernel(kernel), secs)
+        model.observe(shape._replace(kernel=kernel), secs)
     model.refit()
     assert model.error.count == 0
     assert all(e.count == 0 for e in model.error_by_kernel.values())

@@ -19,7 +19,6 @@ from tollway.model.measured import device_name
 from tollway.model.step_profile import block_tables, profile_plans, samples_to_json
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
-from tollway.scheduler.step_model import StepShape
 from tollway.sim.machine_profile import MachineProfile
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -59,7 +58,7 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     samples = []
     for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False):
         seconds = statistics.median(runner.execute(plan).seconds for _ in range(grid.repeats))
-        samples.append((StepShape.of(plan), seconds))
+        samples.append((plan.shape, seconds))
     middle = plans[len(warm) + (len(plans) - len(warm)) // 2]
     times = [runner.execute(middle).seconds for _ in range(grid.jitter_repeats)]
     jitter = [t / statistics.median(times) for t in times]

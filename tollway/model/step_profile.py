@@ -77,7 +77,7 @@ def profile_step_times(runner, sched: SchedulerConfig, repeats: int = 1,
     samples = []
     for plan in tqdm(profile_plans(sched), desc="profiling steps", unit="step", disable=not progress, leave=False):
         seconds = statistics.median(runner.execute(plan).seconds for _ in range(repeats))
-        samples.append((StepShape.of(plan), seconds))
+        samples.append((plan.shape, seconds))
     return samples
 
 

@@ -38,6 +38,9 @@ class _Holding:
     hashes: list[bytes] = field(default_factory=list)
     # How many leading blocks of `blocks` have been offered to the prefix cache.
     num_cached: int = 0
+    # `blocks` as a tuple, rebuilt only when it grows: the scheduler reads it for every
+    # sequence of every step, and it changes once per block_size tokens.
+    table: tuple[int, ...] = ()
 
 
 class BlockPool:
@@ -87,7 +90,7 @@ class BlockPool:
     def table(self, owner: str) -> tuple[int, ...]:
         """The owner's block table; empty when it holds nothing."""
         holding = self._holdings.get(owner)
-        return tuple(holding.blocks) if holding else ()
+        return holding.table if holding else ()
 
     # ---- operations ---------------------------------------------------------------------
 
@@ -113,6 +116,7 @@ class BlockPool:
                 del self._evictable[block]
             self._ref[block] += 1
             holding.blocks.append(block)
+        holding.table = tuple(holding.blocks)
         holding.num_cached = len(holding.blocks)
         return len(holding.blocks) * self.block_size
 
@@ -130,6 +134,7 @@ class BlockPool:
             block = self._free.popleft() if self._free else self._evict()
             self._ref[block] = 1
             holding.blocks.append(block)
+        holding.table = tuple(holding.blocks)
         return True
 
     def cache_full_blocks(self, owner: str, token_ids: Sequence[int], num_tokens: int) -> None:

@@ -67,6 +67,7 @@ class _Step:
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
+        self._tried: tuple[tuple[int, int, int], StepShape] = ((-1, 0, 0), self.shape)  # fits()' latest
 
     def predict(self, shape: StepShape) -> float:
         return self.sched.fastest(shape, self.headroom)[1]
@@ -102,13 +103,17 @@ class _Step:
         """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
         if self.seconds is None:
             return True
-        kernel, seconds = self.sched.fastest(self.shape.plus(start, n, logit_rows), self.headroom)
+        shape = self.shape.plus(start, n, logit_rows)
+        self._tried = ((start, n, logit_rows), shape)
+        kernel, seconds = self.sched.fastest(shape, self.headroom)
         return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
         self.tokens_left -= seq.num_new
-        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
+        work = (seq.start_pos, seq.num_new, seq.num_logit_rows)
+        # Usually the shape fits() just tried (a decode tries one); reused, as this runs per sequence.
+        self.shape = self._tried[1] if self._tried[0] == work else self.shape.plus(*work)
 
 
 class Scheduler:
@@ -122,11 +127,17 @@ class Scheduler:
         self.config = config
         self.tiers = config.tiers
         self.policy = config.policy
-        self.step_model = step_model
+        self.step_model = step_model  # sets _candidates
         self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._auto_kernels = sorted(config.kernels_to_load()) if config.kernel == "auto" else []
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
+        # The pool bounds a tier's longest request as max_model_len does: a lone request must
+        # always fit once everything else is preempted, or it could never finish. Its last token
+        # needs no KV, hence the + 1.
+        self._max_len = {
+            tier: min(config.max_model_len, (self.pool.num_blocks - sum(
+                r for t, r in self._reserved["kv"].items() if t != tier)) * self.pool.block_size + 1)
+            for tier in self.tiers}
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
@@ -151,11 +162,8 @@ class Scheduler:
     # ---- requests in and out ------------------------------------------------------------
 
     def max_len(self, tier: str) -> int:
-        """Longest request (prompt + output) a tier can run. The pool bounds it as max_model_len
-        does: a lone request must always fit once everything else is preempted, or it could
-        never finish. Its last token needs no KV, hence the + 1."""
-        blocks = self.pool.num_blocks - sum(r for t, r in self._reserved["kv"].items() if t != tier)
-        return min(self.config.max_model_len, blocks * self.pool.block_size + 1)
+        """Longest request (prompt + output) a tier can run."""
+        return self._max_len[tier]
 
     def add(self, request: Request) -> None:
         rid = request.request_id
@@ -214,6 +222,20 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def step_model(self) -> StepTimeModel | None:
+        return self._step_model
+
+    @step_model.setter
+    def step_model(self, model: StepTimeModel | None) -> None:
+        self._step_model = model
+        # With kernel="auto", the kernels a step may pick between, ruled by the model: all, and
+        # all but int8 (past the crossover; see fastest). Worked out once: fastest runs for
+        # every sequence a step considers.
+        auto = [k for k in sorted(self.config.kernels_to_load()) if model and k in model.coefficients] \
+            if self.config.kernel == "auto" else []
+        self._candidates = (auto, [k for k in auto if k != "int8"])
+
     def kernel_for(self, shape: StepShape, headroom: dict[str, float] | None = None) -> str:
         return self.fastest(shape, headroom)[0]
 
@@ -227,13 +249,12 @@ class Scheduler:
         config, model = self.config, self.step_model
         if model is None:
             return config.kernel_for(shape.tokens), 0.0
-        known = [k for k in self._auto_kernels if k in model.coefficients
-                 and (k != "int8" or shape.tokens <= config.int8_max_tokens)]
+        known = self._candidates[shape.tokens > config.int8_max_tokens] if self._candidates[0] else []
         if len(known) < 2:
             kernel = known[0] if known else config.kernel_for(shape.tokens)
-            return kernel, model.predict(shape.with_kernel(kernel))
+            return kernel, model.predict(shape, kernel)
         headroom = headroom or {}
-        predicted = {k: model.predict(shape.with_kernel(k)) for k in known}
+        predicted = {k: model.predict(shape, k) for k in known}
         kernel = min(known, key=lambda k: predicted[k] * headroom.get(k, 1.0))
         return kernel, predicted[kernel]
 
@@ -274,7 +295,7 @@ class Scheduler:
         if plan.step_id != self._step_id or self._in_flight is None:
             raise ValueError(f"step {plan.step_id} is not the latest uncommitted plan")
         if self.step_model is not None and plan.seqs:
-            self.step_model.observe(StepShape.of(plan), result.seconds)
+            self.step_model.observe(plan.shape, result.seconds)
         bs = self.pool.block_size
         now = self.clock()
         changed: list[Request] = []
@@ -284,7 +305,7 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             rid = request.request_id
             tokens = result.tokens.get(rid, []) if seq.sample else []
-            if seq.sample:
+            if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
                 _check_tokens(plan.step_id, seq, tokens)
             if seq.num_draft:
                 self._acceptance[rid].add(seq.num_draft, len(tokens) - 1)
@@ -507,17 +528,9 @@ class Scheduler:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
         self._last_step[request.request_id] = self._step_id
-        return ScheduledSeq(
-            request_id=request.request_id,
-            tier=request.tier,
-            token_ids=_token_slice(request, start, start + n) + tuple(drafts),
-            start_pos=start,
-            block_table=self.pool.table(request.request_id),
-            sample=start + n == request.num_tokens,
-            params=request.params,
-            num_draft=len(drafts),
-            banned_token_ids=self._banned(request),
-        )
+        return ScheduledSeq(request.request_id, request.tier, _token_slice(request, start, start + n) + tuple(drafts),
+                            start, self.pool.table(request.request_id), start + n == request.num_tokens,
+                            request.params, len(drafts), self._banned(request))
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.params
@@ -528,6 +541,8 @@ class Scheduler:
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))
+        if self.pool.blocks_for(num_tokens) <= before:
+            return True  # most decodes: no new block, so no reservation to work out
         ok = self.pool.allocate(request.request_id, num_tokens, reserve=self._reserve_against(request.tier))
         self._held[request.tier] += len(self.pool.table(request.request_id)) - before
         return ok

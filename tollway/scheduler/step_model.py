@@ -33,6 +33,8 @@ FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 # costs a whole group and the 6th to 8th are nearly free.
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
+HEADROOM_EVERY = 16
+
 
 class StepShape(NamedTuple):
     """What the model sees of a step. A tuple: the scheduler and the simulator build one per
@@ -59,9 +61,6 @@ class StepShape(NamedTuple):
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
         return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows),
                          self.attention + pairs / 1000, self.chunks + (num_new > 1))
-
-    def with_kernel(self, kernel: str) -> StepShape:
-        return self._replace(kernel=kernel)
 
     def features(self) -> tuple[float, ...]:
         group = ROW_GROUP.get(self.kernel, 1)
@@ -108,6 +107,8 @@ class StepTimeModel:
         self._since_refit = 0
         # (predicted, measured / predicted) of the latest steps, per kernel
         self._overruns: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in coefficients}
+        self._headroom: dict[tuple, float] = {}  # headroom() answers, until HEADROOM_EVERY more steps
+        self._observed = 0
         self.error = PredictionError()
         self.error_by_kernel: dict[str, PredictionError] = {k: PredictionError() for k in coefficients}
 
@@ -128,11 +129,13 @@ class StepTimeModel:
                        for k, rows in by_kernel.items()}
         return model
 
-    def predict(self, shape: StepShape) -> float:
-        c = self.coefficients.get(shape.kernel)
+    def predict(self, shape: StepShape, kernel: str | None = None) -> float:
+        """Seconds for a step of this shape, run with `kernel` (default: the shape's)."""
+        kernel = kernel or shape.kernel
+        c = self.coefficients.get(kernel)
         if c is None:
-            raise ValueError(f"the step model knows kernels {sorted(self.coefficients)}, not {shape.kernel!r}")
-        group = ROW_GROUP.get(shape.kernel, 1)  # features(), written out: this runs per sequence considered
+            raise ValueError(f"the step model knows kernels {sorted(self.coefficients)}, not {kernel!r}")
+        group = ROW_GROUP.get(kernel, 1)  # features(), written out: this runs per sequence considered
         return (c[0] + c[1] * (-(-shape.tokens // group) * group) + c[2] * (-(-shape.sampled // group) * group)
                 + c[3] * shape.attention + c[4] * shape.chunks)
 
@@ -146,6 +149,9 @@ class StepTimeModel:
             self._overruns[shape.kernel].append((predicted, seconds / predicted))
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
         self._window[shape.kernel].append((shape.features(), seconds))
+        self._observed += 1
+        if self._observed % HEADROOM_EVERY == 0:
+            self._headroom.clear()
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
@@ -154,7 +160,17 @@ class StepTimeModel:
         """How much longer than predicted a step with this kernel runs, at this quantile of
         recent steps (>= 1); of steps predicted near `near` (0.5x to 1.5x) when there are enough, since
         small and large steps miss by different amounts. Planning to target / headroom meets
-        the target in about that fraction of steps."""
+        the target in about that fraction of steps.
+
+        Worked out afresh every HEADROOM_EVERY steps, not every step: a quantile of the last
+        few hundred steps barely moves in a few more, and sorting them is a scheduler's largest
+        cost per step."""
+        key = (kernel, quantile, near, min_steps)
+        if key not in self._headroom:
+            self._headroom[key] = self._overrun_quantile(kernel, quantile, near, min_steps)
+        return self._headroom[key]
+
+    def _overrun_quantile(self, kernel: str, quantile: float, near: float | None, min_steps: int) -> float:
         overruns = self._overruns.get(kernel, ())
         ratios = [r for p, r in overruns if near is None or near / 2 <= p <= near * 1.5]
         if len(ratios) < min_steps:

@@ -33,7 +33,6 @@ from tollway.meter.attribution import READINESS, attribute
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
 from tollway.scheduler.scheduler import QueueFullError, Scheduler
-from tollway.scheduler.step_model import StepShape
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
 
@@ -211,8 +210,7 @@ class Simulator:
         if not plan.seqs:
             replica.in_flight = None
             return
-        shape = StepShape.of(plan)
-        runner = self.truth.predict(shape) * (self.rng.choice(self.profile.jitter) if self.profile.jitter else 1.0)
+        runner = self.truth.predict(plan.shape) * (self.rng.choice(self.profile.jitter) if self.profile.jitter else 1.0)
         seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * len(plan.seqs)
         replica.in_flight = (plan, runner)
         replica.busy_seconds += seconds
