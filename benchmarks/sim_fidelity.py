@@ -3,6 +3,7 @@ this machine's measured profile, compared per tier.
 
     python benchmarks/sim_fidelity.py          # about 10 min on a quiet 2-core machine
     python benchmarks/sim_fidelity.py --quick  # a smaller run, for development; writes benchmarks/out/ only
+    python benchmarks/sim_fidelity.py --resimulate  # the simulator again, on the last run's profile and engine run
 
 The profile comes from `tollway profile`'s measurement (the runner timed over a grid, its
 jitter, the engine's own time per step), taken in the same run. The workload is a closed loop
@@ -33,6 +34,7 @@ from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
 from tollway.sim.engine_run import run_on_engine  # noqa: E402
+from tollway.sim.machine_profile import MachineProfile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 
 FULL = dict(users=24, requests=240, warmup=15.0, prompt=(64, 24, 16, 128), output=(48, 16, 16, 96),
@@ -42,17 +44,35 @@ QUICK = dict(users=8, requests=40, warmup=5.0, prompt=(32, 8, 16, 48), output=(1
 TARGETS = {"throughput_rel_err": 0.10, "tpot_p50_rel_err": 0.10, "ttft_p99_rel_err": 0.25}
 
 
-def run(s: dict) -> dict:
+def measure_real(s: dict, saved: Path) -> None:
+    """The engine's half: the profile, then the workload on the engine; both saved, so the
+    simulator's half can be rerun on them alone (--resimulate)."""
+    machine, date = machine_info(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     scheduler = SchedulerConfig(speculative_tokens=0)
     engine = Engine(EngineConfig(scheduler=scheduler), progress=True)
     started = time.perf_counter()
     profile = measure(engine, Grid(**s["grid"]) if s["grid"] else Grid())
     profile_seconds = time.perf_counter() - started
-    workload = Workload(Lengths(*s["prompt"]), Lengths(*s["output"]), True, s["mix"], None, seed=11)
-    load = Profile(f"concurrency {s['users']}", concurrency=s["users"])
-    limits = Limits(max_requests=s["requests"], warmup=s["warmup"])
+    workload, load, limits = _workload(s)
     real = stage_dict(run_on_engine(engine, workload, load, limits), SLO({}), None)
-    sim_config = engine.scheduler.config  # the measured kernel crossover, as the engine runs it
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    # The engine's kernel crossover goes with the profile; the model bounds the context.
+    saved.write_text(json.dumps({"machine": machine, "date": date,
+                                 "profile": profile.to_dict(), "profile_seconds": profile_seconds,
+                                 "max_model_len": engine.scheduler.config.max_model_len, "real": real}))
+
+
+def _workload(s: dict) -> tuple[Workload, Profile, Limits]:
+    return (Workload(Lengths(*s["prompt"]), Lengths(*s["output"]), True, s["mix"], None, seed=11),
+            Profile(f"concurrency {s['users']}", concurrency=s["users"]),
+            Limits(max_requests=s["requests"], warmup=s["warmup"]))
+
+
+def run(s: dict, saved: Path) -> dict:
+    data = json.loads(saved.read_text())
+    profile, profile_seconds, real = MachineProfile.from_dict(data["profile"]), data["profile_seconds"], data["real"]
+    sim_config = SchedulerConfig(speculative_tokens=0, max_model_len=data["max_model_len"])
+    workload, load, limits = _workload(s)
     simulated = simulate(sim_config, profile, workload, [load], limits, progress=True)["stages"][0]
     tiers = {}
     for tier in sorted(real["summary"]["tiers"]):
@@ -68,8 +88,7 @@ def run(s: dict) -> dict:
                for tier, t in tiers.items() for metric, limit in TARGETS.items()}
     for stage in (real, simulated):
         stage.pop("requests")  # the figures are what is kept; the runs are repeatable
-    return {"command": "python benchmarks/sim_fidelity.py", "machine": machine_info(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"command": "python benchmarks/sim_fidelity.py", "machine": data["machine"], "date": data["date"],
             "settings": {**s, "workload": workload.to_dict(), "limits": asdict(limits)},
             "profile": {"hardware": profile.hardware, "steps": len(profile.samples), "overhead": profile.overhead,
                         "jitter_p90": sorted(profile.jitter)[int(0.9 * (len(profile.jitter) - 1))],
@@ -106,9 +125,17 @@ def markdown(r: dict, raw: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
+    parser.add_argument("--resimulate", action="store_true",
+                        help="rerun only the simulator, on the profile and engine run the last run saved")
     args = parser.parse_args()
-    result = run(QUICK if args.quick else FULL)
     here = Path(__file__).resolve().parent
+    settings = QUICK if args.quick else FULL
+    saved = here / "out" / f"sim_fidelity-real{'-quick' if args.quick else ''}.json"
+    if not args.resimulate:
+        measure_real(settings, saved)
+    elif not saved.exists():
+        parser.error(f"--resimulate needs {saved.relative_to(here)} from an earlier run")
+    result = run(settings, saved)
     path = here / ("out/sim_fidelity-quick.json" if args.quick else "sim_fidelity.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

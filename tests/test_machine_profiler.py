@@ -23,7 +23,10 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     engine = make_engine(kernel="int8", max_num_seqs=8, num_blocks=128)
     profile = measure(engine, TINY, progress=False)
     assert not profile.estimate and "this machine" in profile.hardware and profile.dense_kernel
-    assert all(seconds > 0 for *_, seconds in profile.samples) and len(profile.jitter) == 4
+    assert all(seconds > 0 for *_, seconds in profile.samples) 
+    # Jitter: every timing (one per grid step, 4 of a middle step) against the fitted model.
+    assert len(profile.jitter) == len(profile.samples) + 4
+    assert 0.5 < sorted(profile.jitter)[len(profile.jitter) // 2] < 2
     assert profile.overhead[0] >= 0 and profile.overhead[1] >= 0
     # The fitted model sees that a step with a prefill chunk costs more than the bare decodes.
     model = profile.step_model(adaptive=False)
@@ -35,3 +38,13 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     result = simulate(engine.scheduler.config, loaded, Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}),
                       [Profile("concurrency 4", concurrency=4)], Limits(max_requests=8), progress=False)
     assert result["stages"][0]["summary"]["all"]["completed"] == 8
+
+
+def test_a_gpu_profile_is_named_by_the_gpu(monkeypatch):
+    import torch
+
+    from tollway.model.measured import device_name
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert device_name() == "NVIDIA H200"

@@ -4,6 +4,7 @@ re-simulated, and analytic profiles are labelled estimates."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +99,25 @@ def test_a_trace_is_played_at_its_arrival_times(tmp_path):
     assert [r["prompt_tokens"] for r in records] == [r["prompt_tokens"] for r in rows]
     assert all(r["output_tokens"] == 5 and r["end"] > r["sent"] for r in records)
     assert (out / "report.html").is_file()
+
+
+def test_a_simulated_run_overlays_a_measured_one_in_one_report(tmp_path):
+    """`tollway report` merges a simulated bench.json with a measured one (the committed example
+    sweep): every plot draws both runs, each under its own label."""
+    measured = Path(__file__).resolve().parent.parent / "benchmarks" / "bench-example" / "bench.json"
+    sim = tmp_path / "sim"
+    assert main(["simulate", "--profile", str(_saved(tmp_path)), "--concurrency", "16", "--max-requests", "40",
+                 "--prompt-tokens", "mean=96,stdev=32,min=32,max=160", "--output-tokens", "32",
+                 "--mix", "fast=0.2,standard=0.8", "--label", "simulated example", "--output", str(sim),
+                 "--quiet"]) == 0
+    merged = tmp_path / "merged"
+    assert main(["report", str(measured), str(sim / "bench.json"), "--output", str(merged)]) == 0
+    page = (merged / "report.html").read_text()
+    for key in ("latency", "pareto", "cost", "steps"):
+        figure = page[page.index(f"id='plot-{key}'"):]
+        figure = figure[:figure.index("</figure>")]
+        assert "data-drawn='1'" in figure, key
+        assert "(tollway (example))" in figure and "(simulated example)" in figure, key
 
 
 def test_simulated_engine_seconds_split_the_busy_time():

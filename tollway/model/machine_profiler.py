@@ -2,9 +2,9 @@
 the simulator runs on (tollway/sim/machine_profile.py).
 
 The grid crosses decode sequences, context length, prefill tokens and kernel, on top of the
-engine's own start-up profile (step_profile.py). Beside it: the jitter of one step repeated,
-and the engine's time per step outside the runner (planning, committing, detokenizing), from
-a short real run.
+engine's own start-up profile (step_profile.py). Beside it: the jitter (every timing against
+the model fitted to the grid), and the engine's time per step outside the runner (planning,
+committing, detokenizing), from a short real run.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tollway.model.measured import device_name
 from tollway.model.step_profile import block_tables, profile_plans, samples_to_json
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
+from tollway.scheduler.step_model import StepTimeModel
 from tollway.sim.machine_profile import MachineProfile
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -55,13 +56,17 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     sched, runner = engine.scheduler.config, engine.runner
     warm = profile_plans(sched)  # writes the context the grid's decodes read
     plans = warm + grid_plans(sched, sorted(runner.kernels), grid)
-    samples = []
-    for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False):
-        seconds = statistics.median(runner.execute(plan).seconds for _ in range(grid.repeats))
-        samples.append((plan.shape, seconds))
+    timed = [[runner.execute(plan).seconds for _ in range(grid.repeats)]
+             for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False)]
+    samples = [(plan.shape, statistics.median(times)) for plan, times in zip(plans, timed)]
     middle = plans[len(warm) + (len(plans) - len(warm)) // 2]
-    times = [runner.execute(middle).seconds for _ in range(grid.jitter_repeats)]
-    jitter = [t / statistics.median(times) for t in times]
+    plans.append(middle)
+    timed.append([runner.execute(middle).seconds for _ in range(grid.jitter_repeats)])
+    # Jitter is every timing against the fitted model, not one step's spread: a scheduler on
+    # this machine plans by that model, so its misses (the model's misfit and the machine's
+    # hiccups alike) are what its headroom must cover, and the simulator must draw.
+    fitted = StepTimeModel.fit(samples)
+    jitter = [t / fitted.predict(plan.shape) for plan, times in zip(plans, timed) for t in times]
     cpu = device_name()
     hardware = f"this machine: {cpu}" + ("" if engine.device.type == "cuda" else f" ({os.cpu_count()} cores)")
     return MachineProfile(hardware, engine.config.model, samples_to_json(samples), sched.int8_max_tokens,

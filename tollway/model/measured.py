@@ -32,7 +32,7 @@ def remembered(cache_file: Path, key: str, measure: Callable[[], Any]) -> Any:
 
 def device_name() -> str:
     if torch.cuda.is_available():
-        return torch.cuda.getdevice_name()
+        return torch.cuda.get_device_name()
     # Not platform.processor(): it runs `uname -p` in a subprocess.
     try:
         with open("/proc/cpuinfo") as f:

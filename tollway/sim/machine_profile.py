@@ -3,7 +3,7 @@
 It holds step timings, (shape, seconds) pairs that the StepTimeModel is fitted to, measured
 on a real runner (`tollway profile`) or estimated from hardware specs (hardware.py); the
 engine's own time per step beside the runner (planning, committing, detokenizing); the jitter
-of repeated identical steps; and the kernel settings the scheduler needs. JSON on disk.
+of measured steps about the fitted model; and the kernel settings the scheduler needs. JSON on disk.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class MachineProfile:
     estimate: bool  # True: built from specs, not measured
     # Engine time per step beside the runner: seconds = a + b * sequences in the step.
     overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    jitter: list[float] = field(default_factory=list)  # measured / median of repeated steps
+    jitter: list[float] = field(default_factory=list)  # measured / fitted time of profiled steps
     usd_per_hour: float | None = None  # one replica's price, where known
     kv_tokens: int | None = None  # KV cache capacity, where the profile knows it (sets num_blocks)
     notes: str = ""
