@@ -120,6 +120,12 @@ def test_a_simulated_run_overlays_a_measured_one_in_one_report(tmp_path):
         assert "(tollway (example))" in figure and "(simulated example)" in figure, key
 
 
+def test_only_the_first_requests_keep_every_token_time():
+    records = run(requests=40, token_times=10)["stages"][0]["requests"]
+    assert all(len(r["chunk_times"]) == r["output_tokens"] for r in records if r["index"] <= 10)
+    assert all(r["chunk_times"] == [] and r["end"] > r["first_token"] for r in records if r["index"] > 10)
+
+
 def test_simulated_engine_seconds_split_the_busy_time():
     result = run(requests=200)
     records = result["stages"][0]["requests"]

@@ -62,7 +62,7 @@ def evaluate(config: SchedulerConfig, profile: MachineProfile, workload: Workloa
         raise ValueError("the profile has no price: give --usd-per-hour")
     cfg = candidate_config(config, slo, max_num_seqs, reserve)
     result = simulate(cfg, profile, workload, [Profile(f"rate {qps:g}/s", rate=qps)], Limits(max_requests=requests),
-                      replicas, routing, slo, progress=False, keep_chunks=False)
+                      replicas, routing, slo, progress=False, token_times=0)
     summary = result["stages"][0]["summary"]
     shares = {t: m["goodput_share"] or 0.0 for t, m in summary["tiers"].items()}
     costs = {t: m["cost_per_m_output"] for t, m in summary["tiers"].items()} | {"all": summary["all"]["cost_per_m_output"]}

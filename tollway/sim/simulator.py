@@ -37,6 +37,7 @@ from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
 
 _ARRIVAL, _STEP_DONE = 0, 1
+TOKEN_TIMES = 20_000
 
 
 @dataclass
@@ -79,7 +80,10 @@ class _Stage:
 
 class Simulator:
     def __init__(self, config: SchedulerConfig, profile: MachineProfile, replicas: int = 1,
-                 routing: str = "least_outstanding", seed: int = 0, keep_chunks: bool = True):
+                 routing: str = "least_outstanding", seed: int = 0, token_times: int = TOKEN_TIMES):
+        """`token_times`: how many requests (the first ones) keep every token's time, from which
+        inter-token latency is measured; the rest keep first and last. A million requests'
+        token times would be gigabytes, and ITL percentiles need far fewer."""
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
@@ -95,7 +99,7 @@ class Simulator:
                          for i in range(replicas)]
         self.route = make_router(routing)
         self.rng = random.Random(seed)
-        self.keep_chunks = keep_chunks
+        self.token_times = token_times
         self._events: list = []
         self._order = 0
         self._live: dict[str, tuple[RequestRecord, Replica, _Stage]] = {}
@@ -229,7 +233,7 @@ class Simulator:
             record, _, stage = self._live[request.request_id]
             if record.first_token is None:
                 record.first_token = self.now
-            if self.keep_chunks:
+            if record.index <= self.token_times:
                 record.chunk_times.append(self.now)
             if request.finished:
                 del self._live[request.request_id]
@@ -262,11 +266,11 @@ def _step_series(steps: list[tuple[float, int, int, float]], start: float, end: 
 def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, profiles: list[Profile], limits: Limits,
              replicas: int = 1, routing: str = "least_outstanding", slo: SLO | None = None,
              usd_per_hour: float | None = None, trace: list[TraceRow] | None = None, progress: bool = True,
-             keep_chunks: bool = True) -> dict:
+             token_times: int = TOKEN_TIMES) -> dict:
     """A bench result (FORMAT) for the workload on `replicas` simulated replicas."""
     slo = slo or SLO({})
     started = time.perf_counter()
-    sim = Simulator(config, profile, replicas, routing, workload.seed, keep_chunks)
+    sim = Simulator(config, profile, replicas, routing, workload.seed, token_times)
     stages = [sim.run_stage(workload, p, limits, trace, progress) for p in profiles]
     fleet_price = usd_per_hour if usd_per_hour is not None else (
         profile.usd_per_hour * replicas if profile.usd_per_hour is not None else None)
