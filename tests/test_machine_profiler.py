@@ -48,3 +48,11 @@ def test_a_gpu_profile_is_named_by_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert device_name() == "NVIDIA H200"
+
+
+def test_a_fixed_kernel_profile_tells_the_simulator_that_kernel(make_engine):
+    from tollway.model.machine_profiler import kernel_choice
+
+    assert kernel_choice(make_engine(kernel="bf16", max_num_seqs=4, num_blocks=64).scheduler.config) == (0, "bf16")
+    sched = make_engine(kernel="int8", max_num_seqs=4, num_blocks=64).scheduler.config
+    assert kernel_choice(sched) == (sched.max_num_batched_tokens, sched.dense_kernel)

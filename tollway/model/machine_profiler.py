@@ -69,9 +69,21 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     jitter = [t / fitted.predict(plan.shape) for plan, times in zip(plans, timed) for t in times]
     cpu = device_name()
     hardware = f"this machine: {cpu}" + ("" if engine.device.type == "cuda" else f" ({os.cpu_count()} cores)")
-    return MachineProfile(hardware, engine.config.model, samples_to_json(samples), sched.int8_max_tokens,
-                          sched.dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
+    int8_max_tokens, dense_kernel = kernel_choice(sched)
+    return MachineProfile(hardware, engine.config.model, samples_to_json(samples), int8_max_tokens,
+                          dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
                           notes=f"tollway profile, {len(samples)} steps")
+
+
+def kernel_choice(sched) -> tuple[int, str]:
+    """(int8_max_tokens, dense_kernel): the engine's kernel choice as a simulator with
+    kernel="auto" reads it. A fixed kernel (--kernel bf16) left those two at their defaults,
+    which name a crossover never measured and a dense kernel never timed."""
+    if sched.kernel == "auto":
+        return sched.int8_max_tokens, sched.dense_kernel
+    if sched.kernel == "int8":
+        return sched.max_num_batched_tokens, sched.dense_kernel
+    return 0, sched.kernel
 
 
 def engine_overhead(engine, sizes: tuple[int, ...] = (1, 16), new_tokens: int = 12) -> list[float]:
