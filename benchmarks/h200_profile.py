@@ -3,7 +3,7 @@ real runner timed on an H200, over the same steps.
 
     python benchmarks/h200_profile.py --out DIR      # on a CUDA machine: Llama 3 8B shapes, ~3 min
     python benchmarks/h200_profile.py --quick        # anywhere: a tiny random Llama, to check the script
-    python benchmarks/h200_profile.py --report benchmarks/results/h200_profile.json   # README section only
+    python benchmarks/h200_profile.py --report benchmarks/results/h200_profile.json   # re-analyse, no GPU
 
 Steps: (1) writes a random-weight Hugging Face folder (config.json + bf16 safetensors shards,
 no tokenizer) for the shapes in benchmarks/models/llama-3-8b/config.json, generated on the GPU;
@@ -130,16 +130,14 @@ def roofline(device: torch.device) -> dict | None:
 
 def step_rows(samples: list[list], m: ModelConfig, h: hw.Hardware) -> list[dict]:
     """Every measured step with its analytic estimate and the bytes and FLOPs behind it."""
-    body, head = hw.linear_parameters(m)
     rows = []
     for kernel, tokens, sampled, attention, chunks, seconds in samples:
         pairs = attention * 1000
         decodes = sampled - chunks  # each prefill chunk samples one row
         prefill = tokens - decodes
         prefill_pairs = prefill * (prefill + 1) / 2
-        moved = (body + head) * h.weight_bytes + pairs * hw.kv_bytes_per_token(m)
-        flops = 2 * body * tokens + 2 * head * sampled + 4 * m.num_heads * m.head_dim * m.num_layers * pairs
-        predicted = hw.step_seconds(m, h, tokens, sampled, pairs)
+        moved, flops = hw.step_work(m, h, tokens, sampled, pairs - prefill_pairs, prefill_pairs)
+        predicted = hw.step_seconds(m, h, tokens, sampled, pairs - prefill_pairs, prefill_pairs)
         rows.append({
             "kernel": kernel, "decodes": decodes, "prefill_tokens": prefill,
             # a decode at context c reads c + 1 keys; a lone prefill chunk may start past 0
@@ -152,6 +150,16 @@ def step_rows(samples: list[list], m: ModelConfig, h: hw.Hardware) -> list[dict]
             >= flops / (h.bf16_tflops * 1e12 * hw.COMPUTE_EFFICIENCY) else "compute",
         })
     return rows
+
+
+def analysis(samples: list[list], m: ModelConfig, h: hw.Hardware) -> dict:
+    """The measured steps against the analytic model as it stands in tollway/sim/hardware.py."""
+    rows = step_rows(samples, m, h)
+    return {"errors": grouped_stats(rows), "fit": fit_factors(rows, h),
+            "analytic": {"bandwidth_gb_s": h.bandwidth_gb_s, "bf16_tflops": h.bf16_tflops,
+                         "bandwidth_efficiency": hw.BANDWIDTH_EFFICIENCY, "compute_efficiency": hw.COMPUTE_EFFICIENCY,
+                         "fixed_seconds": h.fixed_seconds, "query_tile": hw.QUERY_TILE},
+            "steps": rows}
 
 
 def error_stats(errors: list[float]) -> dict:
@@ -304,17 +312,9 @@ def run(args) -> dict:
         except Exception:  # the comparison above is the point; keep it whatever happens here
             result["breakdown"] = {"error": traceback.format_exc()[-2000:]}
             traceback.print_exc()
-    rows = step_rows(profile.samples, m, h)
-    result |= {
-        "errors": grouped_stats(rows),
-        "fit": fit_factors(rows, h),
-        "analytic": {"bandwidth_gb_s": h.bandwidth_gb_s, "bf16_tflops": h.bf16_tflops,
-                     "bandwidth_efficiency": hw.BANDWIDTH_EFFICIENCY, "compute_efficiency": hw.COMPUTE_EFFICIENCY,
-                     "fixed_seconds": h.fixed_seconds},
-        "measured_profile": {"hardware": profile.hardware, "steps": len(profile.samples), "overhead": profile.overhead,
-                             "jitter": profile.jitter, "kv_blocks": sched.num_blocks},
-        "steps": rows,
-    }
+    result |= analysis(profile.samples, m, h)
+    result["measured_profile"] = {"hardware": profile.hardware, "steps": len(profile.samples),
+                                  "overhead": profile.overhead, "jitter": profile.jitter, "kv_blocks": sched.num_blocks}
     timings["total"] = time.perf_counter() - started
     model_name = "tiny random Llama" if args.quick else f"{Path(args.model_config).parent.name} (random bf16 weights)"
     return {"command": "python benchmarks/h200_profile.py" + (" --quick" if args.quick else ""),
@@ -416,11 +416,18 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/tollway-h200-profile", help="where the model folders are written")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the linear layers alone and profile a few steps (torch profiler)")
-    parser.add_argument("--report", metavar="JSON", help="only rewrite the README section from a results file")
+    parser.add_argument("--report", metavar="JSON",
+                        help="redo the comparison from a results file's measured profile; rewrite the README section")
     args = parser.parse_args()
     if args.report:
-        section = markdown(json.loads(Path(args.report).read_text()),
-                           str(Path(args.report).resolve().relative_to(BENCHMARKS)))
+        # The device's timings are kept (the measured profile beside the results): the
+        # comparison is redone against the analytic model as it is now.
+        path = Path(args.report)
+        result = json.loads(path.read_text())
+        samples = json.loads((path.parent / "h200_profile_measured.json").read_text())["samples"]
+        result |= analysis(samples, ModelConfig.from_hf_config(result["model_config"]), hw.hardware("H200"))
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        section = markdown(result, str(path.resolve().relative_to(BENCHMARKS)))
         write_readme(BENCHMARKS / "README.md", "h200_profile", section)
         print(section)
         return

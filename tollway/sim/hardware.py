@@ -6,11 +6,16 @@ A step of T tokens, S sampled rows and P query-key pairs is estimated as
 
     fixed + max(bytes / (bandwidth x BANDWIDTH_EFFICIENCY), flops / (peak x COMPUTE_EFFICIENCY))
 
-bytes: every weight once (linear layers and LM head) plus the KV read (P pairs x KV bytes
-per token per layer); flops: 2 x linear parameters x T + 2 x LM-head parameters x S + 4 x
-heads x head_dim x layers x P. The simulator fits its step model to these estimates over the
-same grid `tollway profile` measures, exactly as it does to measured times. Sliding-window
-layers are counted as full attention (an overestimate at long context).
+bytes: every weight once (linear layers and LM head) plus the KV read: a decode reads each
+key of its context once, a prefill once per tile of QUERY_TILE queries (as flash attention
+does), in KV bytes per token per layer; flops: 2 x linear parameters x T + 2 x LM-head
+parameters x S + 4 x heads x head_dim x layers x P. The simulator fits its step model to these
+estimates over the same grid `tollway profile` measures, exactly as it does to measured times.
+Sliding-window layers are counted as full attention (an overestimate at long context).
+
+The efficiencies describe a tuned runner (CUDA graphs, fused paged attention: vLLM-class).
+tollway's own CUDA path is not one yet: on an H200 it measured 7-8x these estimates
+(benchmarks/h200_profile.py), so plan on a measured profile where the runner is tollway's.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from tollway.sim.machine_profile import MachineProfile
 BANDWIDTH_EFFICIENCY = 0.75
 COMPUTE_EFFICIENCY = 0.6
 MEMORY_FOR_KV = 0.9  # of device memory left after the weights (vLLM's gpu_memory_utilization)
+QUERY_TILE = 128  # prefill queries per attention tile: each reads the keys once
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,19 @@ def kv_tokens(m: ModelConfig, h: Hardware) -> int:
     return int(free // kv_bytes_per_token(m))
 
 
-def step_seconds(m: ModelConfig, h: Hardware, tokens: int, sampled: int, pairs: float) -> float:
+def step_work(m: ModelConfig, h: Hardware, tokens: int, sampled: int, decode_pairs: float,
+              prefill_pairs: float = 0.0) -> tuple[float, float]:
+    """(bytes moved, FLOPs) of a step: T tokens, S sampled rows, and its query-key pairs."""
     body, head = linear_parameters(m)
-    moved = (body + head) * h.weight_bytes + pairs * kv_bytes_per_token(m)
-    flops = 2 * body * tokens + 2 * head * sampled + 4 * m.num_heads * m.head_dim * m.num_layers * pairs
+    moved = (body + head) * h.weight_bytes + (decode_pairs + prefill_pairs / QUERY_TILE) * kv_bytes_per_token(m)
+    flops = (2 * body * tokens + 2 * head * sampled
+             + 4 * m.num_heads * m.head_dim * m.num_layers * (decode_pairs + prefill_pairs))
+    return moved, flops
+
+
+def step_seconds(m: ModelConfig, h: Hardware, tokens: int, sampled: int, decode_pairs: float,
+                 prefill_pairs: float = 0.0) -> float:
+    moved, flops = step_work(m, h, tokens, sampled, decode_pairs, prefill_pairs)
     return h.fixed_seconds + max(moved / (h.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY),
                                  flops / (h.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY))
 
@@ -97,10 +112,9 @@ def analytic_profile(m: ModelConfig, model_name: str, h: Hardware, max_num_seqs:
                 if b + prefill > max_batched_tokens:
                     continue
                 tokens, sampled = b + prefill, b + (1 if prefill else 0)
-                pairs = b * context + prefill * (prefill + 1) / 2
-                shape_pairs = pairs / 1000
-                samples.append([h.kernel, tokens, sampled, shape_pairs, int(prefill > 0),
-                                step_seconds(m, h, tokens, sampled, pairs)])
+                decode_pairs, prefill_pairs = b * context, prefill * (prefill + 1) / 2
+                samples.append([h.kernel, tokens, sampled, (decode_pairs + prefill_pairs) / 1000, int(prefill > 0),
+                                step_seconds(m, h, tokens, sampled, decode_pairs, prefill_pairs)])
     return MachineProfile(h.name, model_name, samples, int8_max_tokens=0, dense_kernel=h.kernel, estimate=True,
                           usd_per_hour=h.usd_per_hour, kv_tokens=kv_tokens(m, h),
                           notes=(f"estimate from specs: {h.bandwidth_gb_s:g} GB/s x {BANDWIDTH_EFFICIENCY}, "
