@@ -376,16 +376,18 @@ class Scheduler:
         for rid in self._deadlines.pop_due(now):
             self._late[rid] = self._requests[rid]
         urgent = {r.request_id for r in running if self._is_due(r, now)}
+        # No step admits more than max_num_seqs: look no further into a queue than that (an
+        # overloaded server's queues are long, and this runs every step).
+        cap = self.config.max_num_seqs
         yield "run", by_turn(r for r in running if r.tier == "fast")
-        yield "admit fast", list(self.waiting["fast"])
+        yield "admit fast", list(itertools.islice(self.waiting["fast"], cap))
         yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent)
         late_batch = sorted(self._late.values(), key=lambda r: r.arrival_time)
-        yield "admit", late_batch + list(self.waiting["standard"])
+        yield "admit", list(itertools.islice(itertools.chain(late_batch, self.waiting["standard"]), cap))
         yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent)
         if not self.waiting["standard"]:  # batch takes only what standard leaves
-            # No step admits more than max_num_seqs: look no further into the queue than that.
             on_time = (r for r in self.waiting["batch"] if r.request_id not in self._late)
-            yield "admit", list(itertools.islice(on_time, self.config.max_num_seqs))
+            yield "admit", list(itertools.islice(on_time, cap))
 
     def _due(self, request: Request) -> float | None:
         """When a batch request's window is closing, from which on it runs as standard: when
