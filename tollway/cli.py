@@ -37,6 +37,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="default 8000")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
     serve.add_argument("--api-key", action="append", default=[], help="a key allowed every tier; repeat for more")
+    serve.add_argument("--admin-key", action="append", default=[],
+                       help="a key that may also open /dashboard (admin = true in [[keys]] does the same)")
     serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
     serve.add_argument("--data-dir", help=f"Batch API files and jobs (default {user_data_dir('tollway')})")
     add_engine_arguments(serve)
@@ -181,6 +183,7 @@ def _serve(args) -> int:
         if value is not None:
             setattr(server, name, value)
     server.keys += [KeySpec(key) for key in args.api_key]
+    server.keys += [KeySpec(key, "admin", admin=True) for key in args.admin_key]
     gatekeeper = Gatekeeper(server.keys, KeyDatabase(server.keys_db or default_keys_db()))
     config = engine_config(args)
     name = server.served_model_name or config.model
@@ -191,7 +194,8 @@ def _serve(args) -> int:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
             print(f"tollway: warning: serving {server.host} with no API keys: anyone who can reach it can use it",
                   file=sys.stderr)
-        print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1", file=sys.stderr)
+        print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1 "
+              f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
         batch_dir = Path(server.data_dir or user_data_dir("tollway")) / "batches"
         print(f"tollway: ledger {meter.ledger.path}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,

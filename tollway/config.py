@@ -154,6 +154,7 @@ class KeySpec:
     tiers: list[str] = field(default_factory=lambda: list(TIERS))
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute (prompt + max_tokens, counted when a request arrives)
+    admin: bool = False  # may open /dashboard (operators' view: every lane, every key's budget)
 
     def validate(self) -> None:
         if not self.key:

@@ -88,6 +88,19 @@ class Budgets:
                 if self.ledger.claim_alert(name, start, threshold, now):
                     self._alert(spec, start, threshold, spent)
 
+    def burn(self) -> list[dict]:
+        """Every budget's spend in its current period, against its limit (end: when it resets)."""
+        now = self.clock()
+        out = []
+        for spec in self.specs:
+            start, end = period_bounds(spec.period, now)
+            with self._lock:
+                spent = self._current(spec, start)
+            scope, name = spec.scope
+            out.append({"budget": budget_name(spec), "scope": scope, "name": name, "period": spec.period,
+                        "spent": spent, "limit": spec.limit, "hard_cap": spec.hard_cap, "end": end})
+        return out
+
     def _current(self, spec: BudgetSpec, start: float) -> float:
         key = (budget_name(spec), start)
         if key not in self._spent:

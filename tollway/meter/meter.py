@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+from tollway.config import TIERS
 from tollway.meter.attribution import READINESS, attribute
 from tollway.meter.budgets import Budgets
 from tollway.meter.ledger import Ledger, LedgerRow
@@ -33,6 +34,7 @@ class Meter:
         # Handed out to requests; with readiness_seconds, equal to busy_seconds but for rounding.
         self.attributed_seconds = 0.0
         self.readiness_seconds = 0.0  # idle capacity held for the fast lane, not yet charged
+        self.tier_seconds = dict.fromkeys(TIERS, 0.0)  # attributed_seconds by the lane charged
 
     def on_step(self, engine, plan: StepPlan, result: StepResult, outputs) -> None:
         model = engine.step_model
@@ -47,7 +49,9 @@ class Meter:
                     shares[rid] += self.readiness_seconds / len(fast)
                 self.readiness_seconds = 0.0
             self.attributed_seconds += sum(shares.values())
+            tiers = {s.request_id: s.tier for s in plan.seqs}
             for rid, seconds in shares.items():
+                self.tier_seconds[tiers[rid]] += seconds
                 if rid in self._seconds:
                     self._seconds[rid] += seconds
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
-/v1/usage, /health, /metrics.
+/v1/usage, /health, /metrics; and the operators' /dashboard (dashboard.py).
 
 Handlers only translate: requests become engine requests through the AsyncEngine, outputs
 become OpenAI responses or SSE chunks. A streaming client that goes away cancels its
@@ -27,11 +27,13 @@ from tollway.server import errors
 from tollway.server.batch_api import batch_router
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
+from tollway.server.dashboard import dashboard_router
 from tollway.server.errors import APIError
 from tollway.server.generation import (
     Generation, completion_logprobs, ledger_row, request_tags, sampling_params, token_entry, token_prompts,
 )
 from tollway.server.keys import Gatekeeper
+from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.service_tier import tier_for
@@ -43,10 +45,15 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
     `batch_dir` holds the Batch API's files and jobs (None: no Batch API). `meter` attributes
-    engine time, keeps the ledger and enforces budgets (None: no metering)."""
+    engine time, keeps the ledger and enforces budgets (None: no metering); /metrics and
+    /dashboard then show its cost per lane and its budgets."""
     runner: BatchRunner | None = None
     if meter is not None:
         engine.observe(meter.on_step)
+        if metrics is not None:
+            metrics.bill(meter)
+    stats = LiveStats(meter)
+    engine.observe(stats.on_step)  # after the meter's: it reads the meter's charges for the step
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -203,6 +210,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
             raise APIError(400, "stream is not supported in a batch", param="stream")
         return await _collect(await _start(req, kind, "batch", None, request_tags(req, None)),
                               kind == "completion" and req.echo)
+
+    app.include_router(dashboard_router(stats, gatekeeper, model_name, meter))
 
     if batch_dir is not None:
         store = BatchStore(batch_dir)

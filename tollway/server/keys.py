@@ -100,6 +100,15 @@ class Gatekeeper:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return key
 
+    def authenticate_admin(self, authorization: str | None) -> KeySpec | None:
+        """An admin's key, or None when the server is open; 401 without a valid key, 403 for a
+        key that is not an admin's."""
+        key = self.authenticate(authorization)
+        if key is not None and not key.admin:
+            raise APIError(403, "this needs an admin key (tollway serve --admin-key, or admin = true in [[keys]])",
+                           code="admin_required")
+        return key
+
     @staticmethod
     def entitled_tier(key: KeySpec | None, tier: str, wire: str | None) -> str:
         """The tier to serve: the asked one if the key may use it; `auto` falls back to standard."""

@@ -2,12 +2,14 @@
 request is involved, so each lane's latency and load can be read apart.
 
 Fed from the engine thread after every step (AsyncEngine's on_step hook): the plan, its
-measured time and the outputs it produced. Scraping reads the registry from the event loop;
+measured time and the outputs it produced. With a meter (bill()), its cost per lane and
+budgets' spend are read from it at scrape time. Scraping reads the registry from the event loop;
 prometheus_client's metrics are thread-safe.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tollway.config import TIERS
 
@@ -111,5 +113,32 @@ class Metrics:
                 self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
                 self.finished.labels(m, out.tier, out.finish_reason).inc()
 
+    def bill(self, meter) -> None:
+        """Also serve `meter`'s engine seconds and cost per lane, and its budgets' spend."""
+        self.registry.register(_MeterCollector(self.model, meter))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MeterCollector:
+    """The meter's running totals, read at scrape time: they are kept by the meter, not here."""
+
+    def __init__(self, model_name: str, meter):
+        self.model, self.meter = model_name, meter
+
+    def collect(self):
+        seconds = CounterMetricFamily("tollway:engine_seconds", "Engine seconds the meter charged to each lane.",
+                                      labels=["model_name", "tier"])
+        cost = CounterMetricFamily("tollway:cost_dollars", "Engine cost charged to each lane (seconds x price).",
+                                   labels=["model_name", "tier"])
+        for tier, charged in self.meter.tier_seconds.items():
+            seconds.add_metric([self.model, tier], charged)
+            cost.add_metric([self.model, tier], self.meter.cost(charged))
+        spent = GaugeMetricFamily("tollway:budget_spent_dollars", "Billed dollars in the budget's current period.",
+                                  labels=["budget"])
+        limit = GaugeMetricFamily("tollway:budget_limit_dollars", "The budget's limit per period.", labels=["budget"])
+        for b in self.meter.budgets.burn():
+            spent.add_metric([b["budget"]], b["spent"])
+            limit.add_metric([b["budget"]], b["limit"])
+        return [seconds, cost, spent, limit]

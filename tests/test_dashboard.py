@@ -1,0 +1,271 @@
+"""The live /dashboard and the Grafana board: an admin key opens the page and its data; under
+mixed-lane traffic the page renders every panel in headless Chromium and its numbers move;
+its figures agree with /metrics and the meter; the Grafana board queries only series that
+/metrics serves."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from live_server import MODEL, make_meter, running_server
+from tollway.config import TIERS, BudgetSpec, KeySpec, default_tiers
+from tollway.server.app import create_app
+from tollway.server.keys import Gatekeeper
+from tollway.server.live_stats import MAX_STEPS
+from tollway.server.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(os.environ.get("TOLLWAY_ARTIFACTS", ROOT / "test-artifacts"))
+ADMIN, USER = "sk-admin", "sk-user"
+# A shared opening, two KV blocks long, so later prompts find it in the prefix cache.
+OPENING = "You are a terse assistant for an operations team. Answer in one short sentence, no lists. "
+
+
+@pytest.fixture(scope="module")
+def server(make_engine, tmp_path_factory):
+    budgets = [BudgetSpec(limit=0.002, key="user", period="daily", hard_cap=False),
+               BudgetSpec(limit=0.01, tag="team=search", period="monthly", hard_cap=False)]
+    meter = make_meter(tmp_path_factory.mktemp("dashboard") / "ledger.sqlite", budgets)
+    keys = Gatekeeper([KeySpec(ADMIN, "ops", admin=True), KeySpec(USER, "user")])
+    tiers = default_tiers()
+    # Off: on a busy machine the step model's overrun can leave no standard work fitting the
+    # readiness cap, so the other lanes would wait out its whole minute.
+    tiers["fast"].warm_for = None
+    # The step model shapes steps to the fast lane's target (this small config's profile is
+    # shared with test_step_profile); a small KV pool shows on the gauge.
+    engine = make_engine(profile_steps=True, kernel="int8", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
+                         tiers=tiers)
+    for details in running_server(engine, Metrics(MODEL), gatekeeper=keys, meter=meter):
+        yield {**details, "meter": meter}
+
+
+class Traffic:
+    """Clients in threads until stopped: one streaming fast (with pauses), two standard, one batch (flex)."""
+
+    def __init__(self, url: str):
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=USER, max_retries=0, timeout=60)
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        lanes = [("priority", 8, True), ("default", 20, False), ("default", 14, True), ("flex", 12, False)]
+        self.threads = [threading.Thread(target=self._loop, args=(i, *lane), daemon=True)
+                        for i, lane in enumerate(lanes)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, worker: int, tier: str, max_tokens: int, stream: bool) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                question = f"{OPENING}Question {worker}.{n}: name a river."
+                resp = self.client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": question}],
+                    max_tokens=max_tokens, temperature=0, service_tier=tier, stream=stream,
+                    extra_body={"ignore_eos": True}, extra_headers={"x-tollway-tags": "team=search"})
+                if stream:
+                    list(resp)
+            except openai.OpenAIError as e:
+                self.errors.append(f"{tier}: {e}")
+            if tier == "priority":  # gaps between fast requests: while one runs, its steps may hold the rest out
+                self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+@pytest.fixture
+def traffic(server):
+    traffic = Traffic(server["url"])
+    yield traffic
+    traffic.close()
+    assert traffic.errors == []
+
+
+def data(server, **auth) -> dict:
+    r = httpx.get(server["url"] + "/dashboard/data", headers={"Authorization": f"Bearer {ADMIN}"}, **auth)
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_for(server, ready, timeout=60.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        d = data(server)
+        if ready(d):
+            return d
+        assert time.time() < deadline, f"the dashboard's data never got there: {d['tiers']}"
+        time.sleep(0.3)
+
+
+def every_lane_finished_some(d: dict) -> bool:
+    return all(d["tiers"][t]["tpot"]["p50"] is not None for t in TIERS)
+
+
+def test_the_dashboard_and_its_data_need_an_admin_key(server):
+    for path in ("/dashboard", "/dashboard/data"):
+        url = server["url"] + path
+        missing = httpx.get(url)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert missing.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url, params={"key": "sk-nobody"}).status_code == 401
+        for auth in ({"headers": {"Authorization": f"Bearer {USER}"}}, {"params": {"key": USER}}):
+            refused = httpx.get(url, **auth)
+            assert refused.status_code == 403, auth
+            assert refused.json()["error"] | {"message": None} == {
+                "message": None, "type": "permission_error", "param": None, "code": "admin_required"}
+        for auth in ({"headers": {"Authorization": f"Bearer {ADMIN}"}}, {"params": {"key": ADMIN}}):
+            assert httpx.get(url, **auth).status_code == 200, auth
+    page = httpx.get(server["url"] + "/dashboard", params={"key": ADMIN})
+    assert page.headers["content-type"].startswith("text/html") and page.headers["referrer-policy"] == "no-referrer"
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "unsafe" not in csp
+    # The admin key is a key like any other: it may call the API too.
+    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_an_open_server_opens_its_dashboard(server):
+    with TestClient(create_app(server["engine"], MODEL)) as open_app:
+        assert open_app.get("/dashboard").status_code == 200
+        body = open_app.get("/dashboard/data").json()
+    # No meter behind this app: no cost figures, no budgets, economics in engine seconds.
+    assert body["budgets"] == [] and body["price_per_hour"] is None and body["economics"]["unit"] == "s"
+    assert all(body["tiers"][t]["cost_per_m_tokens"] is None for t in TIERS)
+
+
+def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traffic):
+    chromium = shutil.which("chromium")
+    # Every lane has finished requests in the window and the fast lane has capped a step.
+    wait_for(server, lambda d: every_lane_finished_some(d) and sum(d["timeline"]["capped"]) > 0)
+    if chromium is None:
+        assert not os.environ.get("TOLLWAY_REQUIRE_BROWSER"), "chromium is missing, and CI requires the browser check"
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    errors, elsewhere, failed = [], [], []
+    read_values = "els => Object.fromEntries(els.map(e => [e.dataset.value, e.textContent]))"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        view = browser.new_page(viewport={"width": 1440, "height": 1000})
+        view.on("console", lambda m: m.type in ("error", "warning") and errors.append(m.text))
+        view.on("pageerror", lambda e: errors.append(str(e)))
+        view.on("request", lambda r: r.url.startswith(server["url"] + "/") or elsewhere.append(r.url))
+        view.on("response", lambda r: r.status >= 400 and failed.append(f"{r.status} {r.url}"))
+        view.goto(f"{server['url']}/dashboard?key={ADMIN}")
+        view.wait_for_function("document.querySelector('.dot.live') !== null", timeout=10_000)
+        first = view.eval_on_selector_all("[data-value]", read_values)
+        time.sleep(3.2)  # two polls later
+        second = view.eval_on_selector_all("[data-value]", read_values)
+        panels = view.eval_on_selector_all("[data-panel]", """panels => panels.map(p => ({
+            name: p.dataset.panel,
+            svgs: [...p.querySelectorAll('svg')].map(s => ({w: s.getBoundingClientRect().width,
+                h: s.getBoundingClientRect().height, shapes: s.querySelectorAll('rect, path, circle, line').length,
+                text: s.textContent}))}))""")
+        capped_marks = view.eval_on_selector_all("#seqs-chart rect[fill='#ff5d5d']", "rs => rs.length")
+        budget_bars = view.eval_on_selector_all("#budgets-chart rect:not(.track)", "rs => rs.length")
+        steps_drawn = view.eval_on_selector_all("#economics-chart circle", "cs => cs.length")
+        view.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        browser.close()
+    assert errors == [] and elsewhere == [] and failed == []
+    # The numbers move between two reads while traffic runs.
+    assert first["steps"] != second["steps"] and first["generated"] != second["generated"]
+    for values in (first, second):
+        for tier in TIERS:
+            for field in ("cost", "ttft-p50", "ttft-p99", "tpot-p50", "tpot-p99", "tok-s", "running", "waiting"):
+                assert values[f"{tier}-{field}"] not in ("", "—"), (tier, field, values)
+        assert values["fast-cost"].startswith("$") and values["fast-ttft-p50"].endswith(("ms", " s"))
+        header = ("tokens-per-s", "steps-per-s", "busy", "steps", "price", "prefix-detail")
+        assert all(values[k] != "—" for k in header)
+    assert {p["name"] for p in panels} == {"lanes", "steps", "cache", "budgets", "economics"}
+    for panel in panels:
+        assert panel["svgs"], panel["name"]
+        for svg in panel["svgs"]:
+            assert svg["w"] > 150 and svg["h"] > 40 and svg["shapes"] >= 2 and svg["text"], panel
+    assert capped_marks > 0 and budget_bars == 2 and steps_drawn > 10
+
+
+def test_live_figures_agree_with_metrics_and_the_meter(server, traffic):
+    meter = server["meter"]
+    wait_for(server, every_lane_finished_some)
+    traffic.close()
+    d = wait_for(server, lambda d: all(d["tiers"][t]["running"] + d["tiers"][t]["waiting"] == 0 for t in TIERS))
+    exposition = httpx.get(server["url"] + "/metrics").text
+    total = lambda name: sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", exposition, re.M))
+    assert d["totals"]["steps"] == total("tollway:step_seconds_count") > 0
+    assert d["totals"]["generated_tokens"] == total("tollway:generation_tokens_total") > 0
+    # The lanes' charges are the meter's: together, all the engine time it attributed.
+    assert total("tollway:engine_seconds_total") == pytest.approx(meter.attributed_seconds)
+    assert total("tollway:cost_dollars_total") == pytest.approx(meter.cost(meter.attributed_seconds))
+    for tier in TIERS:
+        t = d["tiers"][tier]
+        assert 0 < t["cost"] <= meter.cost(meter.tier_seconds[tier]) * (1 + 1e-9)
+        assert t["cost_per_m_tokens"] == pytest.approx(t["cost"] / t["tokens"] * 1e6)
+    # Budgets: each one's spend is the billed price the ledger holds for its key or tag.
+    burn = {b["budget"]: b for b in d["budgets"]}
+    assert set(burn) == {"key:user:daily", "tag:team=search:monthly"}
+    billed = sum(row.price for row in meter.ledger.rows())
+    assert burn["key:user:daily"]["spent"] == pytest.approx(billed) == burn["tag:team=search:monthly"]["spent"]
+    assert billed > 0 and burn["key:user:daily"]["limit"] == 0.002
+    # Batch economics: every retained step in exactly one size bin, bins in size order.
+    bins = d["economics"]["bins"]
+    assert sum(b["steps"] for b in bins) == min(d["totals"]["steps"], MAX_STEPS)
+    assert [b["seqs_max"] for b in bins] == sorted(b["seqs_max"] for b in bins) and all(b["median"] > 0 for b in bins)
+    assert all(any(b["seqs_min"] <= s <= b["seqs_max"] for b in bins) for s, _ in d["economics"]["points"])
+    assert max(d["timeline"]["seqs"]) <= 8 and 0 <= d["kv_usage"] <= 1
+    assert d["prefix_cache"]["hits"] > 0 or d["prefix_cache"]["queried"] == 0
+
+
+def _queried_metrics(node) -> set[str]:
+    """Every tollway:* series name in the board's queries (panel targets and variables)."""
+    if isinstance(node, dict):
+        found = set()
+        for k, v in node.items():
+            if k in ("expr", "query", "definition") and isinstance(v, str):
+                found |= set(re.findall(r"tollway:[A-Za-z0-9_:]+", v))
+            else:
+                found |= _queried_metrics(v)
+        return found
+    if isinstance(node, list):
+        return set().union(*map(_queried_metrics, node)) if node else set()
+    return set()
+
+
+def test_the_grafana_board_queries_only_what_metrics_serves(server):
+    board = json.loads((ROOT / "deploy/grafana/dashboards/tollway.json").read_text())
+    exposition = httpx.get(server["url"] + "/metrics").text
+    # The series each family is queried by: a counter's end in _total, a histogram's in _bucket/_sum/_count.
+    served = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", exposition, re.M):
+        if kind == "counter":
+            served.add(name if name.endswith("_total") else name + "_total")
+        else:
+            served.update(name + s for s in (("_bucket", "_sum", "_count") if kind == "histogram" else ("",)))
+    queried = _queried_metrics(board)
+    assert queried and queried <= served, sorted(queried - served)
+    # It covers the lanes, the steps, the cache and the bill.
+    for family in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "num_requests_running",
+                   "num_requests_waiting", "step_num_sequences_sum", "step_num_tokens_bucket", "kv_cache_usage_perc",
+                   "prefix_cache_hits_total", "cost_dollars_total", "budget_spent_dollars"):
+        assert f"tollway:{family}" in queried, family
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"]) and len(panels) >= 20
+    assert all(t["expr"] for p in panels for t in p["targets"])
+    # The provisioned datasource is the one the board's variable picks, scraping tollway's /metrics.
+    source = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    variable = next(v for v in board["templating"]["list"] if v["name"] == "datasource")
+    assert source["datasources"][0]["uid"] == variable["current"]["value"]
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    assert [(s["job_name"], s["metrics_path"]) for s in scrape] == [("tollway", "/metrics")]

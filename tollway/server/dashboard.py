@@ -1,0 +1,62 @@
+"""/dashboard, the operators' live view of the lanes and the bill, and /dashboard/data, the
+JSON it polls: LiveStats' snapshot plus every budget's burn.
+
+Both need an admin key when keys are on, and nothing when the server is open, like every
+route. A browser cannot add an Authorization header to a page load, so the key may also come
+as ?key=; the page then sends it back as a Bearer header on its polls. A key in a URL lands in
+browser history and proxy logs: give the dashboard its own admin key (tollway serve
+--admin-key) rather than one that can spend. The page is one static file with no outside
+resources; its Content-Security-Policy lets it load nothing, and fetch nothing but this server.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import re
+import time
+from importlib.resources import files
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from tollway.server.keys import Gatekeeper
+from tollway.server.live_stats import LiveStats
+
+PAGE = (files(__package__) / "dashboard.html").read_text()
+
+
+def _inline_hash(tag: str) -> str:
+    """The CSP source that admits the page's one inline <script> or <style> and nothing else."""
+    body = re.search(rf"<{tag}>(.*?)</{tag}>", PAGE, re.S).group(1)
+    return f"'sha256-{base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()}'"
+
+
+_PAGE_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_inline_hash('script')}; "
+                               f"style-src {_inline_hash('style')}; connect-src 'self'; img-src data:; "
+                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",  # the URL may hold the key
+    "Cache-Control": "no-store",
+}
+
+
+def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, meter=None) -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    def admin(authorization: str | None = Header(default=None), key: str | None = Query(default=None)) -> None:
+        gatekeeper.authenticate_admin(authorization or (f"Bearer {key}" if key else None))
+
+    @router.get("/dashboard", dependencies=[Depends(admin)])
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE, headers=_PAGE_HEADERS)
+
+    @router.get("/dashboard/data", dependencies=[Depends(admin)])
+    async def data() -> JSONResponse:
+        budgets = await asyncio.to_thread(meter.budgets.burn) if meter is not None else []  # may read the ledger
+        body = {"model": model_name, "now": time.time(),
+                "price_per_hour": meter.price_card.price_per_hour if meter is not None else None,
+                **stats.snapshot(), "budgets": budgets}
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    return router

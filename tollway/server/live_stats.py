@@ -1,0 +1,180 @@
+"""A rolling record of what the engine did, for the live dashboard (/dashboard).
+
+Fed on the engine thread after every step (AsyncEngine's on_step hook, like Metrics) and read
+from the event loop, so both sides hold a lock, and a read copies before it computes. Memory
+is bounded whatever the load: steps and latency samples live in deques with a maximum length,
+and a read looks only at the last WINDOW seconds (HISTORY for the charts over time).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tollway.bench.stats import percentile
+from tollway.config import TIERS
+
+WINDOW = 60.0  # seconds: the figures per lane, the prefix-cache hit rate, the rates
+HISTORY = 120.0  # seconds: the charts over time
+MAX_STEPS = 16384  # ~20 min of CPU steps, ~2 min of GPU ones: the batch economics curve's data
+MAX_SAMPLES = 4096  # latency samples kept per tier and kind
+HISTORY_BINS = 480  # points per chart over time, whatever the step rate
+ECONOMICS_POINTS = 400  # latest steps drawn one by one on the batch economics plot
+
+
+@dataclass(frozen=True)
+class StepSample:
+    time: float  # monotonic
+    seqs: int
+    tokens: int
+    seconds: float
+    capped_by: str | None
+    kv_usage: float  # share of KV blocks in use after the step
+    running: tuple[int, ...]  # per tier, in TIERS order, after the step
+    waiting: tuple[int, ...]
+    tier_tokens: tuple[int, ...]  # per tier: prompt tokens (at the first token) + generated tokens
+    tier_charged: tuple[float, ...]  # per tier: engine seconds the meter charged in this step
+    tier_finished: tuple[int, ...]  # per tier: requests that finished in this step (aborts aside)
+    prefix_queried: int  # prompt tokens of requests that got their first token in this step
+    prefix_hits: int  # of those, found in the prefix cache
+
+
+class LiveStats:
+    def __init__(self, meter=None):
+        """`meter`, when given, must be observing the same engine, before this: its per-lane
+        charges give the cost figures (without it there are none)."""
+        self.meter = meter
+        self._lock = threading.Lock()
+        self._steps: deque[StepSample] = deque(maxlen=MAX_STEPS)
+        self._ttft = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (time, seconds)
+        self._tpot = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}
+        self._charged = self._meter_totals()
+        self.num_steps = 0
+        self.generated_tokens = 0
+        self.started: float | None = None  # the first step's time
+
+    def _meter_totals(self) -> tuple[float, ...]:
+        return tuple(self.meter.tier_seconds[t] for t in TIERS) if self.meter else (0.0,) * len(TIERS)
+
+    def on_step(self, engine, plan, result, outputs) -> None:
+        """Called on the engine thread after a step that ran (plan has sequences)."""
+        sched, now = engine.scheduler, time.monotonic()
+        tokens, finished = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
+        queried = hits = generated = 0
+        ttft, tpot = [], []
+        for out in outputs:
+            n = len(out.new_token_ids)
+            tokens[out.tier] += n
+            generated += n
+            if n and len(out.token_ids) == n:  # every token is new: this is the first
+                tokens[out.tier] += len(out.prompt_token_ids)
+                queried += len(out.prompt_token_ids)
+                hits += out.num_cached_prompt_tokens
+                ttft.append((out.tier, out.first_token_time - out.arrival_time))
+            if out.finished and out.finish_reason != "abort":
+                finished[out.tier] += 1
+                if len(out.token_ids) > 1:
+                    tpot.append((out.tier, (out.time - out.first_token_time) / (len(out.token_ids) - 1)))
+        charged = self._meter_totals()
+        sample = StepSample(
+            now, len(plan.seqs), plan.num_tokens, result.seconds, plan.capped_by,
+            sched.pool.num_used / sched.pool.num_blocks,
+            tuple(sched.running_in(t) for t in TIERS), tuple(len(sched.waiting[t]) for t in TIERS),
+            tuple(tokens[t] for t in TIERS), tuple(b - a for a, b in zip(self._charged, charged)),
+            tuple(finished[t] for t in TIERS), queried, hits)
+        self._charged = charged
+        with self._lock:
+            self._steps.append(sample)
+            for tier, value in ttft:
+                self._ttft[tier].append((now, value))
+            for tier, value in tpot:
+                self._tpot[tier].append((now, value))
+            self.num_steps += 1
+            self.generated_tokens += generated
+            if self.started is None:
+                self.started = now
+
+    def snapshot(self) -> dict:
+        """The dashboard's figures: the last WINDOW seconds, and the last HISTORY seconds as
+        charts over time (times in seconds before now)."""
+        now = time.monotonic()
+        with self._lock:
+            steps = list(self._steps)
+            ttft = {t: [v for at, v in q if at > now - WINDOW] for t, q in self._ttft.items()}
+            tpot = {t: [v for at, v in q if at > now - WINDOW] for t, q in self._tpot.items()}
+            totals = {"steps": self.num_steps, "generated_tokens": self.generated_tokens}
+            # Rates divide by the time observed: the window, or less in the first minute.
+            span = min(WINDOW, now - self.started) if self.started is not None else WINDOW
+        recent = [s for s in steps if s.time > now - WINDOW]
+        price = self.meter.price_card.price_per_second if self.meter else None
+        latest = steps[-1] if steps else None
+        tiers = {}
+        for i, tier in enumerate(TIERS):
+            tier_tokens = sum(s.tier_tokens[i] for s in recent)
+            cost = price * sum(s.tier_charged[i] for s in recent) if price is not None else None
+            tiers[tier] = {
+                "ttft": _quantiles(ttft[tier]), "tpot": _quantiles(tpot[tier]),
+                "tok_s_per_user": _quantiles([1 / v for v in tpot[tier] if v > 0]),
+                "finished": sum(s.tier_finished[i] for s in recent),
+                "running": latest.running[i] if latest else 0, "waiting": latest.waiting[i] if latest else 0,
+                "tokens": tier_tokens, "cost": cost,
+                "cost_per_m_tokens": cost / tier_tokens * 1e6 if cost is not None and tier_tokens else None,
+            }
+        queried = sum(s.prefix_queried for s in recent)
+        totals.update(tokens_per_s=sum(s.tokens for s in recent) / span, steps_per_s=len(recent) / span,
+                      busy=min(1.0, sum(s.seconds for s in recent) / span))
+        return {
+            "window": WINDOW, "history": HISTORY, "totals": totals, "tiers": tiers,
+            "kv_usage": latest.kv_usage if latest else 0.0,
+            "prefix_cache": {"queried": queried, "hits": sum(s.prefix_hits for s in recent),
+                             "hit_rate": sum(s.prefix_hits for s in recent) / queried if queried else None},
+            "timeline": _timeline([s for s in steps if s.time > now - HISTORY], now),
+            "economics": _economics(steps, price),
+        }
+
+
+
+def _timeline(steps: list[StepSample], now: float) -> dict:
+    """Steps in fixed time bins: means of their sizes and KV use, how many the fast lane's
+    target capped, and the lanes' queues at the bin's end."""
+    width = HISTORY / HISTORY_BINS
+    bins: dict[int, list[StepSample]] = {}
+    for s in steps:
+        bins.setdefault(int((now - s.time) / width), []).append(s)
+    out = {"bin_seconds": width, "t": [], "steps": [], "seqs": [], "tokens": [], "capped": [], "kv_usage": [],
+           "running": {t: [] for t in TIERS}, "waiting": {t: [] for t in TIERS}}
+    for index in sorted(bins, reverse=True):  # oldest first
+        group = bins[index]
+        out["t"].append(-(index + 0.5) * width)
+        out["steps"].append(len(group))
+        out["seqs"].append(sum(s.seqs for s in group) / len(group))
+        out["tokens"].append(sum(s.tokens for s in group) / len(group))
+        out["capped"].append(sum(s.capped_by == "fast" for s in group))
+        out["kv_usage"].append(sum(s.kv_usage for s in group) / len(group))
+        for i, tier in enumerate(TIERS):
+            out["running"][tier].append(group[-1].running[i])
+            out["waiting"][tier].append(group[-1].waiting[i])
+    return out
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+
+
+def _economics(steps: list[StepSample], price_per_second: float | None) -> dict:
+    """Cost per million tokens of each step (its seconds over its tokens), against its
+    sequences: binned by powers of two (1, 2, 3-4, 5-8, ...), median per bin. In dollars when
+    the meter gives a price, else in engine seconds."""
+    scale = (price_per_second if price_per_second is not None else 1.0) * 1e6
+    per_bin: dict[int, list[float]] = {}
+    seqs: dict[int, list[int]] = {}
+    for s in steps:
+        b = math.ceil(math.log2(s.seqs))
+        per_bin.setdefault(b, []).append(s.seconds / s.tokens * scale)
+        seqs.setdefault(b, []).append(s.seqs)
+    bins = [{"seqs_min": 2 ** (b - 1) + 1 if b else 1, "seqs_max": 2 ** b, "steps": len(v),
+             "seqs_mean": sum(seqs[b]) / len(v), "median": percentile(v, 0.5)} for b, v in sorted(per_bin.items())]
+    points = [[s.seqs, s.seconds / s.tokens * scale] for s in steps[-ECONOMICS_POINTS:]]
+    return {"unit": "$" if price_per_second is not None else "s", "steps": len(steps), "bins": bins, "points": points}
