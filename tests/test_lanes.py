@@ -332,3 +332,18 @@ def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
     warm.clock.now += fast.warm_for
     steps, capped_by = standard_steps(warm, 30)
     assert max(steps) > 1.5 * cap and "fast" not in capped_by
+
+
+def test_a_step_that_nothing_fits_still_runs_its_first_sequence():
+    """When the time target is shorter than even one sequence's predicted step (a slow machine,
+    or a large overrun headroom), the step takes one anyway: an empty plan would repeat forever
+    and the lanes below fast would never move."""
+    sched = lanes(tiers={"fast": {"ttft_target": 0.02}})  # readiness cap 10 ms: below any step here
+    sched.add(request("f0", "fast", max_tokens=2))
+    while sched.get("f0") is not None:
+        run_step(sched)
+    for i in range(3):
+        sched.add(request(f"s{i}", "standard", max_tokens=4, arrival=sched.clock.now))
+    plans = [run_step(sched) for _ in range(30)]
+    assert all(p.seqs for p in plans[:10]) and all(p.capped_by == "fast" for p in plans[:10])
+    assert not sched.has_unfinished()

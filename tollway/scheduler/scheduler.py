@@ -81,7 +81,8 @@ class _Step:
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
         `must` (a fast request) gets at least one block's worth even past the time budget, and
-        all it can while no fast request decodes (its time to first token is what counts then)."""
+        all it can while no fast request decodes (its time to first token is what counts then);
+        so does the step's first sequence."""
         n = min(remaining, self.tokens_left)
         if n <= 0 or len(self.seqs) >= self.sched.config.max_num_seqs:
             return 0
@@ -95,7 +96,10 @@ class _Step:
             else:
                 hi = mid - 1
         self.capped |= lo < n
-        if must:
+        # A fast request, and the first sequence of a step, get a block's worth past the
+        # budget: fast is never starved, and a step that nothing fits would run empty forever
+        # (waiting shrinks no step), while the work it turned away never ran.
+        if must or not self.seqs:
             lo = max(lo, min(n, self.sched.pool.block_size))
         return lo
 
