@@ -10,6 +10,8 @@ import torch
 from tollway.model.tokenizer import Tokenizer
 from tollway.model.weights import LoadedModel, load_weights
 
+from postgres_server import postgres, store_target  # noqa: F401 -- fixtures: one server for the session
+
 
 @pytest.fixture(scope="session")
 def default_weights() -> LoadedModel:

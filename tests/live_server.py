@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from tollway.async_engine import AsyncEngine
@@ -22,6 +24,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
+    """Wait for a `tollway serve` process to answer /health at `url`; fail with its stderr (a
+    pipe) if it dies first."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.5)
 
 
 def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=None):

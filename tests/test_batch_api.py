@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import MODEL, free_port
+from live_server import MODEL, free_port, wait_until_up
 from test_server import server  # noqa: F401 -- the shared live server
 
 
@@ -116,16 +116,8 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
+        wait_until_up(proc, url)
+        return proc
 
     n = 24
     proc = start()

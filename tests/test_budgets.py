@@ -1,14 +1,18 @@
-"""Budgets on a real ledger: periods, thresholds, once-per-period alerts (across restarts),
-the hard cap, and webhook delivery with retry to a real local receiver."""
+"""Budgets on a real ledger, in SQLite and in PostgreSQL: periods, thresholds, once-per-period
+alerts (across restarts), the hard cap with holds for requests in flight, holds of a server that
+died lapsing, the cap holding for two servers spending at once from many threads, and webhook
+delivery with retry to a real local receiver."""
 from __future__ import annotations
 
 import datetime as dt
+import random
+import threading
 import time
 
 import pytest
 
 from tollway.config import BudgetSpec
-from tollway.meter.budgets import BudgetExceeded, Budgets, period_bounds
+from tollway.meter.budgets import HOLD_TTL, BudgetExceeded, Budgets, period_bounds
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.meter.webhook import Webhook
 
@@ -37,67 +41,128 @@ def test_period_bounds():
     assert period_bounds("monthly", utc(2027, 2, 10)) == (utc(2027, 2, 1), utc(2027, 3, 1))
 
 
-def test_alerts_fire_once_each_the_cap_refuses_and_the_next_period_restores(tmp_path, receiver):
+def test_alerts_fire_once_each_the_cap_refuses_and_the_next_period_restores(store_target, receiver):
     now = [utc(2026, 11, 29, 10)]
-    ledger = Ledger(tmp_path / "ledger.sqlite")
     webhook = Webhook(receiver.url, backoff=0.01)
-    budgets = Budgets([BudgetSpec(limit=1.0, key="alice", period="daily")], ledger, webhook, clock=lambda: now[0])
+    budgets = Budgets([BudgetSpec(limit=1.0, key="alice", period="daily")], Ledger(store_target), webhook,
+                      clock=lambda: now[0])
 
-    def record(rid, price, key="alice"):
-        row = spend(rid, price, key, created=now[0])
-        ledger.record(row)
-        budgets.add(row)
+    def run(rid, price, key="alice", at_most=None):
+        budgets.reserve(rid, key, [], price if at_most is None else at_most)
+        budgets.settle(spend(rid, price, key, created=now[0]))
 
-    record("r1", 0.3)
-    budgets.check("alice", [])
+    run("r1", 0.3)
     assert receiver.wait_for(0) == []
-    record("r2", 0.3)  # 0.6: crosses 50%
-    record("r3", 0.1)  # 0.7: nothing new
-    record("bob", 5.0, key="bob")  # another key's spend counts against nothing here
-    record("r4", 0.15)  # 0.85: crosses 80%
-    budgets.check("alice", [])  # still under the cap
-    record("r5", 0.5)  # 1.35: crosses 100% (a request that was running ends above the cap)
+    run("r2", 0.3)  # 0.6: crosses 50%
+    run("r3", 0.1, at_most=0.2)  # 0.7: nothing new; billed less than it held
+    run("bob", 5.0, key="bob")  # another key's spend counts against nothing here
+    run("r4", 0.15)  # 0.85: crosses 80%
+    with pytest.raises(BudgetExceeded, match=r"has \$0.150000 left of \$1.000000, and this request may cost up to"):
+        budgets.reserve("r5", "alice", [], 0.2)
+    run("r5", 0.15)  # exactly the rest: 1.0, crosses 100%
     alerts = receiver.wait_for(3)
     assert [a["threshold"] for a in alerts] == [0.5, 0.8, 1.0]
     assert alerts[0]["name"] == "alice" and alerts[0]["period"] == "daily" and alerts[0]["limit"] == 1.0
-    assert alerts[2]["spent"] == pytest.approx(1.35)
+    assert alerts[2]["spent"] == pytest.approx(1.0)
     with pytest.raises(BudgetExceeded, match="daily budget of key 'alice' is spent") as refused:
-        budgets.check("alice", [])
+        budgets.reserve("r6", "alice", [], 0.0)
     assert refused.value.retry_after == 14 * 3600
-    budgets.check("bob", [])  # no budget for bob
+    assert [b["spent"] for b in budgets.burn()] == [pytest.approx(1.0)]
 
-    # A restart reads the spend back from the ledger and does not repeat the alerts.
-    restarted = Budgets(budgets.specs, ledger, webhook, clock=lambda: now[0])
+    # A restart (a fresh store on the same database) knows the spend and does not repeat the alerts.
+    restarted = Budgets(budgets.specs, Ledger(store_target), webhook, clock=lambda: now[0])
     with pytest.raises(BudgetExceeded):
-        restarted.check("alice", [])
-    row = spend("r6", 0.1, created=now[0])
-    ledger.record(row)
-    restarted.add(row)
+        restarted.reserve("r6", "alice", [], 0.01)
+    restarted.settle(spend("r6", 0.1, created=now[0]))  # a request no hold covered still counts
     time.sleep(0.2)
     assert len(receiver.received) == 3
 
     # The next day the budget is fresh, and its alerts can fire again.
     now[0] = utc(2026, 11, 30, 0, 0, 1)
-    restarted.check("alice", [])
-    row = spend("r7", 0.6, created=now[0])
-    ledger.record(row)
-    restarted.add(row)
+    restarted.reserve("r7", "alice", [], 0.6)
+    restarted.settle(spend("r7", 0.6, created=now[0]))
     assert [a["threshold"] for a in receiver.wait_for(4)] == [0.5, 0.8, 1.0, 0.5]
     webhook.close()
 
 
-def test_tag_budgets_and_soft_budgets(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+def test_tag_budgets_and_soft_budgets(store_target):
     budgets = Budgets([BudgetSpec(limit=1.0, tag="team=x"), BudgetSpec(limit=1.0, key="carol", hard_cap=False)],
-                      ledger, clock=lambda: utc(2026, 11, 29))
+                      Ledger(store_target), clock=lambda: utc(2026, 11, 29))
     for rid, key, tags in (("a", "alice", ["team=x"]), ("c", "carol", [])):
-        row = spend(rid, 2.0, key, tags, created=utc(2026, 11, 29))
-        ledger.record(row)
-        budgets.add(row)
+        budgets.settle(spend(rid, 2.0, key, tags, created=utc(2026, 11, 29)))
     with pytest.raises(BudgetExceeded, match="tag 'team=x'"):
-        budgets.check("dave", ["other", "team=x"])
-    budgets.check("alice", [])  # the tag's budget, not alice's
-    budgets.check("carol", [])  # over, but alerts only
+        budgets.reserve("d", "dave", ["other", "team=x"], 0.01)
+    budgets.reserve("e", "alice", [], 0.5)  # the tag's budget, not alice's
+    budgets.reserve("f", "carol", [], 5.0)  # over, but alerts only
+
+
+def test_holds_count_until_their_request_settles_or_is_released(store_target):
+    budgets = Budgets([BudgetSpec(limit=1.0, key="alice")], Ledger(store_target))
+    budgets.reserve("r1", "alice", [], 0.6)
+    with pytest.raises(BudgetExceeded, match="held by requests in flight") as refused:
+        budgets.reserve("r2", "alice", [], 0.6)
+    assert refused.value.retry_after == 1
+    budgets.release("r1")  # refused further on (say, a rate limit): it never ran
+    budgets.reserve("r2", "alice", [], 0.6)
+    budgets.settle(spend("r2", 0.5, created=time.time()))  # ended early: billed less than held
+    budgets.reserve("r3", "alice", [], 0.5)  # 0.5 spent, nothing else held
+
+
+def test_a_dead_servers_holds_lapse_and_a_live_one_keeps_them(store_target):
+    now = [utc(2026, 11, 29, 10)]
+    spec = BudgetSpec(limit=1.0, key="alice", period="daily")
+    alive, dead = (Budgets([spec], Ledger(store_target), clock=lambda: now[0]) for _ in range(2))
+    alive.reserve("a", "alice", [], 0.4)
+    dead.reserve("d", "alice", [], 0.5)
+    dead.close()  # it never settles "d"
+    later = Budgets([spec], Ledger(store_target), clock=lambda: now[0])
+    with pytest.raises(BudgetExceeded, match="held by requests in flight"):
+        later.reserve("x", "alice", [], 0.2)
+    now[0] += HOLD_TTL / 2
+    alive.renew()  # as its thread does while it runs
+    now[0] += HOLD_TTL / 2 + 1
+    later.reserve("x", "alice", [], 0.6)  # the dead server's 0.5 lapsed; the live one's 0.4 did not
+    with pytest.raises(BudgetExceeded, match="held by requests in flight"):
+        later.reserve("y", "alice", [], 0.01)
+
+
+PRICE = 0.125  # exact in binary: the sums below are exact too
+ADMITTED = 40
+
+
+def test_two_servers_spending_at_once_never_pass_the_cap(store_target):
+    """Two servers (two stores, two connection pools, one database) spend against one key's cap
+    from eight threads each; each request holds its price while it "runs", then settles."""
+    servers = [Budgets([BudgetSpec(limit=ADMITTED * PRICE, key="alice", period="daily")], Ledger(store_target))
+               for _ in range(2)]
+    outcomes, lock = [], threading.Lock()
+
+    def client(budgets: Budgets, worker: int) -> None:
+        rng = random.Random(worker)
+        for i in range(8):
+            rid = f"w{worker}-{i}"
+            try:
+                budgets.reserve(rid, "alice", [], PRICE)
+            except BudgetExceeded:
+                with lock:
+                    outcomes.append("refused")
+                continue
+            time.sleep(rng.uniform(0, 0.02))  # generating: the hold is all that stands for it
+            budgets.settle(spend(rid, PRICE, created=time.time()))
+            with lock:
+                outcomes.append("served")
+
+    threads = [threading.Thread(target=client, args=(servers[w % 2], w)) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert outcomes.count("served") == ADMITTED and outcomes.count("refused") == 16 * 8 - ADMITTED
+    ledger = Ledger(store_target)
+    rows = ledger.rows()
+    assert len(rows) == ADMITTED and sum(r.price for r in rows) == ADMITTED * PRICE
+    assert [b["spent"] for b in servers[0].burn()] == [ADMITTED * PRICE]
+    assert ledger.database.query("SELECT COUNT(*) FROM budget_holds") == [(0,)]
 
 
 def test_webhook_retries_until_delivered():

@@ -1,8 +1,10 @@
-"""Key checks and per-key rate limits, on a fake clock."""
+"""Key checks and per-key rate limits, on a fake clock; the key store in SQLite and in PostgreSQL,
+and `tollway keys` on the fleet's database."""
 from __future__ import annotations
 
 import pytest
 
+from tollway.cli import main
 from tollway.config import KeySpec
 from tollway.server.errors import APIError
 from tollway.server.keys import Gatekeeper, KeyDatabase
@@ -15,8 +17,8 @@ class Clock:
         return self.now
 
 
-def test_open_without_keys_and_closed_with_them(tmp_path):
-    database = KeyDatabase(tmp_path / "k.sqlite")
+def test_open_without_keys_and_closed_with_them(store_target):
+    database = KeyDatabase(store_target)
     gate = Gatekeeper([], database)
     assert gate.open and gate.authenticate(None) is None
     database.add("a", ["standard"], None, None)
@@ -69,13 +71,26 @@ def test_entitlements():
     assert Gatekeeper.entitled_tier(None, "fast", "priority") == "fast"  # open server
 
 
-def test_database_keys_round_trip(tmp_path):
-    database = KeyDatabase(tmp_path / "k.sqlite")
+def test_database_keys_round_trip(store_target):
+    database = KeyDatabase(store_target)
     key = database.add("alice", ["fast", "standard"], rpm=5, tpm=None)
-    found = database.lookup(key)
+    found = KeyDatabase(store_target).lookup(key)  # another server's (or a restarted one's) view
     assert (found.name, found.tiers, found.rpm, found.tpm) == ("alice", ["fast", "standard"], 5, None)
     assert database.lookup(key + "x") is None
     assert [k["name"] for k in database.list()] == ["alice"]
     with pytest.raises(ValueError, match="tiers"):
         database.add("bob", ["gold"], None, None)
     assert database.revoke("alice") == 1 and database.lookup(key) is None
+
+
+def test_keys_cli_on_the_fleets_database(postgres, capsys):
+    url = postgres.new_database()
+    assert main(["keys", "add", "--name", "alice", "--tiers", "standard,batch", "--rpm", "60", "--database-url", url]) == 0
+    key = capsys.readouterr().out.strip()
+    assert main(["keys", "list", "--database-url", url]) == 0
+    assert capsys.readouterr().out == "alice\ttiers=standard,batch\trpm=60\ttpm=-\n"
+    gate = Gatekeeper([KeySpec("sk-ops", "ops")], KeyDatabase(url))  # a server started on the same database
+    assert gate.authenticate(f"Bearer {key}").name == "alice"
+    assert main(["keys", "revoke", "--name", "alice", "--database-url", url]) == 0
+    with pytest.raises(APIError):
+        gate.authenticate(f"Bearer {key}")

@@ -1,4 +1,5 @@
-"""The ledger: rows in and usage out of a real SQLite file, concurrent writers, the CLI views."""
+"""The ledger: rows in and usage out of a real SQLite file and a real PostgreSQL database (read
+back by a fresh store, as after a restart), concurrent writers, the CLI views."""
 from __future__ import annotations
 
 import sqlite3
@@ -21,11 +22,14 @@ def row(rid, tier="standard", key="alice", tags=(), created=1000.0, prompt=10, c
                      finish_reason="length", tags=list(tags))
 
 
-def test_rows_round_trip_and_usage_groups(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    ledger.record(row("a", "fast", tags=["team=x", "nightly"], created=100, seconds=2.0))
-    ledger.record(row("b", "standard", key="bob", tags=["team=x"], created=200))
-    ledger.record(row("c", "standard", created=300))
+def test_rows_round_trip_and_usage_groups(store_target):
+    writer = Ledger(store_target)
+    writer.record(row("a", "fast", tags=["team=x", "nightly"], created=100, seconds=2.0))
+    writer.record(row("b", "standard", key="bob", tags=["team=x"], created=200))
+    writer.record(row("c", "standard", created=300))
+    writer.close()
+    ledger = Ledger(store_target)  # a restarted server's view
+    assert ledger.rows()[1] == row("b", "standard", key="bob", tags=["team=x"], created=200)
     assert [r.id for r in ledger.rows()] == ["a", "b", "c"]
     assert ledger.rows()[0].tags == ["team=x", "nightly"]
     by_tier = {r["tier"]: r for r in ledger.usage("tier")}
@@ -72,8 +76,9 @@ def test_concurrent_writers_never_corrupt_it(tmp_path):
     assert db.execute("SELECT COUNT(*) FROM request_tags").fetchone()[0] == 3 * 3 * 40
 
 
-def test_economics_measures_the_fast_premium(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+def test_economics_measures_the_fast_premium(store_target):
+    ledger = Ledger(store_target)
+    assert economics(ledger)["fast_premium"] is None
     ledger.record(row("f", "fast", completion=100, seconds=3.0, price=0.5))
     ledger.record(row("s", "standard", completion=300, seconds=1.0, price=0.3))
     report = economics(ledger)
@@ -81,7 +86,6 @@ def test_economics_measures_the_fast_premium(tmp_path):
     assert fast["cost_per_m_output"] == pytest.approx(3.0 * 0.001 / 100 * 1e6)
     assert report["fast_premium"] == pytest.approx((3.0 / 100) / (1.0 / 300))
     assert standard["price_per_m_output"] == pytest.approx(0.3 / 300 * 1e6)
-    assert economics(Ledger(tmp_path / "empty.sqlite"))["fast_premium"] is None
 
 
 def test_cli_usage_and_report(tmp_path, capsys):
@@ -102,6 +106,37 @@ def test_cli_usage_and_report(tmp_path, capsys):
     assert "no ledger at" in capsys.readouterr().err
     assert main(["usage", "--ledger", str(path), "--start", "last tuesday"]) == 2
     assert "--start must be unix seconds or an ISO 8601 date" in capsys.readouterr().err
+
+
+def test_cli_reads_the_fleets_postgres_ledger(postgres, capsys):
+    url = postgres.new_database()
+    ledger = Ledger(url)
+    ledger.record(row("f", "fast", completion=100, seconds=3.0))
+    ledger.record(row("s", "standard", key="bob", completion=300, seconds=1.0))
+    assert main(["usage", "--database-url", url, "--group-by", "key", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("alice,1,")
+    assert main(["report", "--database-url", url]) == 0
+    assert "9.00x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("url, message", [
+    ("postgresql://tollway@127.0.0.1:1/nowhere", "cannot use the database postgresql://tollway@127.0.0.1:1/nowhere: "),
+    ("postgresql://tollway:s3cret@127.0.0.1:1/x", "cannot use the database postgresql://tollway:***@127.0.0.1:1/x: "),
+    ("mysql://localhost/x", "a database URL must be postgresql://..., got 'mysql://localhost/x'"),
+])
+def test_a_bad_database_url_is_one_line(url, message, capsys):
+    assert main(["usage", "--database-url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tollway: error: {message}") and err.count("\n") == 1 and "s3cret" not in err
+
+
+def test_without_psycopg_the_cli_says_what_to_install(tmp_path):
+    blocked = "import sys; sys.modules['psycopg'] = None; from tollway.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", blocked, "keys", "list", "--database-url", "postgresql:///x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("tollway: error: a postgresql:// database needs psycopg: "
+                           "pip install 'tollway[postgres]'\n")
 
 
 def test_parse_time():

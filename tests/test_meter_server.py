@@ -18,7 +18,7 @@ from tollway.config import BudgetSpec, KeySpec, default_tiers
 from tollway.meter.webhook import Webhook
 from tollway.server.keys import Gatekeeper
 
-from live_server import MODEL, free_port, make_meter, running_server
+from live_server import MODEL, free_port, make_meter, running_server, wait_until_up
 from webhook_receiver import Receiver
 
 PROMPT = list(range(1000, 1010))  # 10 tokens, whatever the tokenizer
@@ -140,16 +140,8 @@ def test_sigkill_under_load_loses_no_completed_row(tmp_path):
                              str(tmp_path), "--kernel", "int8", "--keys-db", str(tmp_path / "keys.sqlite")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
+        wait_until_up(proc, url)
         deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
         completed, lock, stop = [], threading.Lock(), threading.Event()
 
         def load(worker: int):

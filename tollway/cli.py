@@ -41,14 +41,16 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="a key that may also open /dashboard (admin = true in [[keys]] does the same)")
     serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
     serve.add_argument("--data-dir", help=f"Batch API files and jobs (default {user_data_dir('tollway')})")
+    serve.add_argument("--database-url", help=DATABASE_URL_HELP)
     add_engine_arguments(serve)
-    keys = sub.add_parser("keys", help="manage API keys in the SQLite key store")
+    keys = sub.add_parser("keys", help="manage API keys in the key store")
     keys.add_argument("action", choices=("add", "list", "revoke"))
     keys.add_argument("--name", help="who the key is for (add, revoke)")
     keys.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers the key may use")
     keys.add_argument("--rpm", type=int, help="requests per minute")
     keys.add_argument("--tpm", type=int, help="tokens per minute")
     keys.add_argument("--keys-db", help=f"default {default_keys_db()}")
+    keys.add_argument("--database-url", help="the servers' PostgreSQL database, instead of --keys-db")
     usage = sub.add_parser("usage", help="usage from the ledger, grouped, as a table or CSV")
     usage.add_argument("--group-by", default="tier", choices=GROUPS)
     usage.add_argument("--start", help="unix seconds or ISO 8601 (UTC unless it says); inclusive")
@@ -69,9 +71,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DATABASE_URL_HELP = ("postgresql://user@host/db: API keys, the ledger, budgets and Batch API jobs in one PostgreSQL "
+                     "database that several servers share (needs tollway[postgres]); default: SQLite files")
+
+
 def add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ledger", help="the ledger's SQLite file (default: the one `tollway serve` writes)")
-    parser.add_argument("--config", help="the server's TOML file, for its [meter] ledger and [server] data_dir")
+    parser.add_argument("--database-url", help="the servers' PostgreSQL database, instead of a SQLite ledger")
+    parser.add_argument("--config", help="the server's TOML file, for its [meter] ledger and [server] data_dir "
+                                         "or database_url")
     parser.add_argument("--data-dir", help=f"default {user_data_dir('tollway')}")
 
 
@@ -85,6 +93,8 @@ def _open_ledger(args):
     server = load_server_config(args.config) if args.config else ServerConfig()
     if args.data_dir:
         server.data_dir = args.data_dir
+    if args.database_url or (server.database_url and not args.ledger):
+        return Ledger(_database(args.database_url or server.database_url))
     path = Path(args.ledger) if args.ledger else default_ledger(server)
     if not path.is_file():
         raise ValueError(f"no ledger at {path}")
@@ -179,16 +189,17 @@ def _serve(args) -> int:
 
     server = load_server_config(args.config) if args.config else ServerConfig()
     for value, name in ((args.host, "host"), (args.port, "port"), (args.served_model_name, "served_model_name"),
-                        (args.keys_db, "keys_db"), (args.data_dir, "data_dir")):
+                        (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url")):
         if value is not None:
             setattr(server, name, value)
     server.keys += [KeySpec(key) for key in args.api_key]
     server.keys += [KeySpec(key, "admin", admin=True) for key in args.admin_key]
-    gatekeeper = Gatekeeper(server.keys, KeyDatabase(server.keys_db or default_keys_db()))
+    shared = _shared_database(server)
+    gatekeeper = Gatekeeper(server.keys, KeyDatabase(shared or server.keys_db or default_keys_db()))
     config = engine_config(args)
     name = server.served_model_name or config.model
     metrics = Metrics(name)
-    meter = _meter(server, config)
+    meter = _meter(server, config, shared)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
     try:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
@@ -196,25 +207,45 @@ def _serve(args) -> int:
                   file=sys.stderr)
         print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1 "
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
-        batch_dir = Path(server.data_dir or user_data_dir("tollway")) / "batches"
-        print(f"tollway: ledger {meter.ledger.path}", file=sys.stderr)
+        batch_dir = shared or Path(server.data_dir or user_data_dir("tollway")) / "batches"
+        print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,
                     port=server.port, log_level="warning")
     finally:
         engine.shutdown()
+        meter.budgets.close()
         if meter.budgets.webhook is not None:
             meter.budgets.webhook.close()
+        for database in {meter.ledger.database, gatekeeper.database.database}:
+            database.close()
     return 0
 
 
-def _meter(server: ServerConfig, config: EngineConfig):
+def _shared_database(server: ServerConfig):
+    """The fleet's PostgreSQL database, when the server is given one (None: SQLite files)."""
+    if not server.database_url:
+        return None
+    if server.keys_db or server.meter.ledger:
+        raise ValueError("a database URL holds the keys and the ledger too: drop --keys-db / keys_db and [meter] ledger")
+    return _database(server.database_url)
+
+
+def _database(url: str):
+    from tollway.storage.database import Database, is_database_url
+
+    if not is_database_url(url):
+        raise ValueError(f"a database URL must be postgresql://..., got {url!r}")
+    return Database(url)
+
+
+def _meter(server: ServerConfig, config: EngineConfig, shared=None):
     from tollway.meter.budgets import Budgets
     from tollway.meter.ledger import Ledger
     from tollway.meter.meter import Meter
     from tollway.meter.price_card import PriceCard
     from tollway.meter.webhook import Webhook
 
-    ledger = Ledger(default_ledger(server))
+    ledger = Ledger(shared or default_ledger(server))
     webhook = Webhook(server.meter.webhook) if server.meter.webhook else None
     return Meter(PriceCard(server.meter.price_per_hour, config.scheduler.tiers), ledger,
                  Budgets(server.meter.budgets, ledger, webhook))
@@ -223,7 +254,9 @@ def _meter(server: ServerConfig, config: EngineConfig):
 def _keys(args) -> int:
     from tollway.server.keys import KeyDatabase
 
-    db = KeyDatabase(args.keys_db or default_keys_db())
+    if args.database_url and args.keys_db:
+        raise ValueError("keys: give --database-url or --keys-db, not both")
+    db = KeyDatabase(_database(args.database_url) if args.database_url else args.keys_db or default_keys_db())
     if args.action == "list":
         for k in db.list():
             print(f"{k['name']}\ttiers={','.join(k['tiers'])}\trpm={k['rpm'] or '-'}\ttpm={k['tpm'] or '-'}")

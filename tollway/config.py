@@ -221,6 +221,8 @@ class ServerConfig:
     keys: list[KeySpec] = field(default_factory=list)
     keys_db: str | None = None  # a SQLite file of further keys (`tollway keys add`)
     data_dir: str | None = None  # Batch API files, jobs and the ledger; None: under the user's data directory
+    # postgresql://...: keys, the ledger, budgets and Batch API jobs in one database a fleet shares
+    database_url: str | None = None
     meter: MeterConfig = field(default_factory=MeterConfig)
 
 

@@ -1,10 +1,18 @@
-"""Spending limits per API key or tag, per UTC day or calendar month, on billed dollars.
+"""Spending limits per API key or tag, per UTC day or calendar month, on billed dollars, held
+for a whole fleet of servers that share one database (a single server is a fleet of one).
 
-Spend is read from the ledger once per budget and period, then kept up to date as requests
-are recorded. Alerts at 50%, 80% and 100% are claimed in the ledger, so each fires once per
-period even across restarts; they are logged and POSTed to the webhook. A hard cap refuses
-new requests once spend reaches the limit; a request already running always finishes, so
-spend can end a little above it.
+A hard-capped budget is never overspent. Admission holds the most a request could be billed
+(its prompt and max_tokens at its lane's price) against every hard-capped budget it falls
+under, refusing it if settled spend plus the holds of requests still running plus its own
+would pass the limit; the check and the hold are one transaction in the database, so two
+servers cannot both take the last dollar. When the request ends its ledger row, its billed
+price added to the budgets' spend and the release of its hold are one transaction too.
+
+A server renews its holds while it runs; those of a server that died lapse after HOLD_TTL,
+giving their room back. Spend per budget and period is a row in the database, seeded from the
+ledger the first time any server needs it. Alerts at 50%, 80% and 100% are claimed in the
+ledger, so each fires once per period across restarts and servers; they are logged and
+POSTed to the webhook. Budgets without a hard cap only count and alert.
 """
 from __future__ import annotations
 
@@ -12,13 +20,38 @@ import datetime as dt
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
 from tollway.config import ALERT_THRESHOLDS, BudgetSpec
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.meter.webhook import Webhook
+from tollway.storage.database import Connection
 
 _log = logging.getLogger(__name__)
+
+HOLD_TTL = 120.0  # seconds a hold outlives its server's last renewal
+_RENEW_EVERY = HOLD_TTL / 4
+_SLACK = 1e-9  # dollars: prices summed in floating point must not refuse a request that fits exactly
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS budget_spend (  -- settled (billed) dollars per budget and period
+    budget TEXT NOT NULL,
+    period_start REAL NOT NULL,
+    spent REAL NOT NULL,
+    PRIMARY KEY (budget, period_start)
+);
+CREATE TABLE IF NOT EXISTS budget_holds (  -- the most each running request can still be billed
+    request_id TEXT NOT NULL,
+    budget TEXT NOT NULL,
+    period_start REAL NOT NULL,
+    dollars REAL NOT NULL,
+    owner TEXT NOT NULL,              -- the server holding it, which renews `expires` while it runs
+    expires REAL NOT NULL,
+    PRIMARY KEY (request_id, budget)
+);
+CREATE INDEX IF NOT EXISTS budget_holds_budget ON budget_holds(budget, period_start);
+"""
 
 
 class BudgetExceeded(Exception):
@@ -48,65 +81,129 @@ class Budgets:
     def __init__(self, specs: list[BudgetSpec], ledger: Ledger, webhook: Webhook | None = None,
                  clock: Callable[[], float] = time.time):
         self.specs, self.ledger, self.webhook, self.clock = specs, ledger, webhook, clock
-        self._spent: dict[tuple[str, float], float] = {}  # (budget, period start) -> dollars
+        self.database = ledger.database
+        self.database.create_schema(_SCHEMA)
+        self.owner = uuid.uuid4().hex  # this server, in the holds it takes
+        self._held: dict[str, dict[str, float]] = {}  # request id -> {budget: period start} held for it
         self._claimed: set[tuple[str, float, float]] = set()
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def applicable(self, key: str, tags: Iterable[str]) -> list[BudgetSpec]:
         tags = set(tags)
         return [b for b in self.specs if (b.key is not None and b.key == key) or (b.tag is not None and b.tag in tags)]
 
-    def check(self, key: str, tags: Iterable[str]) -> None:
-        """Refuse a new request whose key or a tag has reached a hard-capped budget."""
+    def reserve(self, request_id: str, key: str, tags: Iterable[str], dollars: float) -> None:
+        """Hold `dollars`, the most the request can be billed, against each hard-capped budget
+        it falls under; raise BudgetExceeded (holding nothing) if one cannot take it."""
+        capped = sorted((b for b in self.applicable(key, tags) if b.hard_cap), key=budget_name)
+        if not capped:
+            return
         now = self.clock()
-        for spec in self.applicable(key, tags):
-            if not spec.hard_cap:
-                continue
-            start, end = period_bounds(spec.period, now)
-            with self._lock:
-                spent = self._current(spec, start)
-            if spent >= spec.limit:
-                scope, name = spec.scope
-                resets = dt.datetime.fromtimestamp(end, dt.timezone.utc).isoformat()
-                raise BudgetExceeded(f"the {spec.period} budget of {scope} {name!r} is spent (${spent:.4f} of "
-                                     f"${spec.limit:.4f}); it resets at {resets}", retry_after=max(1, int(end - now)))
+        held = {}
+        with self.database.transaction() as db:
+            for spec in capped:  # in name order: two servers lock the same budgets in the same order
+                name = budget_name(spec)
+                start, end = period_bounds(spec.period, now)
+                spent = self._spent(db, spec, start, end)
+                db.execute("DELETE FROM budget_holds WHERE budget = ? AND period_start = ? AND expires <= ?",
+                           (name, start, now))  # lapsed: their server died
+                holding = db.execute("SELECT COALESCE(SUM(dollars), 0) FROM budget_holds WHERE budget = ? "
+                                     "AND period_start = ?", (name, start)).fetchone()[0]
+                if spent + _SLACK >= spec.limit or spent + holding + dollars > spec.limit + _SLACK:
+                    raise _refusal(spec, spent, holding, dollars, end, now)
+                db.execute("INSERT INTO budget_holds VALUES (?, ?, ?, ?, ?, ?)",
+                           (request_id, name, start, dollars, self.owner, now + HOLD_TTL))
+                held[name] = start
+        with self._lock:
+            self._held[request_id] = held
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew_while_open, name="budget holds", daemon=True)
+                self._renewer.start()
 
-    def add(self, row: LedgerRow) -> None:
-        """Count a request against its budgets, and send the alerts it crosses. The row is
-        already in the ledger: a period read from the ledger here counts it."""
+    def release(self, request_id: str) -> None:
+        """Give back a request's holds: it was refused before it ran."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+        if held:
+            self.database.run("DELETE FROM budget_holds WHERE request_id = ?", (request_id,))
+
+    def settle(self, row: LedgerRow) -> None:
+        """Write a finished request's ledger row, add its price to its budgets' spend and
+        release its holds, in one transaction; then send the alerts it crossed."""
+        with self._lock:
+            held = self._held.pop(row.id, {})
         now = self.clock()
-        for spec in self.applicable(row.key, row.tags):
-            start, _ = period_bounds(spec.period, now)
-            name = budget_name(spec)
+        crossed = []
+        with self.database.transaction() as db:
+            for spec in sorted(self.applicable(row.key, row.tags), key=budget_name):
+                name = budget_name(spec)
+                # A held request counts in the period it was admitted in.
+                start, end = period_bounds(spec.period, held.get(name, now))
+                before = self._spent(db, spec, start, end)  # read before the row is in the ledger
+                db.execute("UPDATE budget_spend SET spent = spent + ? WHERE budget = ? AND period_start = ?",
+                           (row.price, name, start))
+                crossed += [(spec, start, t, before + row.price) for t in ALERT_THRESHOLDS
+                            if before + row.price + _SLACK >= t * spec.limit]
+            if held:
+                db.execute("DELETE FROM budget_holds WHERE request_id = ?", (row.id,))
+            self.ledger.write(db, row)
+        for spec, start, threshold, spent in crossed:
+            claim = (budget_name(spec), start, threshold)
             with self._lock:
-                known = (name, start) in self._spent
-                spent = self._current(spec, start) + (row.price if known else 0.0)
-                self._spent[(name, start)] = spent
-                crossed = [t for t in ALERT_THRESHOLDS if spent >= t * spec.limit and (name, start, t) not in self._claimed]
-                self._claimed.update((name, start, t) for t in crossed)
-            for threshold in crossed:
-                if self.ledger.claim_alert(name, start, threshold, now):
-                    self._alert(spec, start, threshold, spent)
+                if claim in self._claimed:
+                    continue
+                self._claimed.add(claim)
+            if self.ledger.claim_alert(*claim, now):
+                self._alert(spec, start, threshold, spent)
 
     def burn(self) -> list[dict]:
         """Every budget's spend in its current period, against its limit (end: when it resets)."""
         now = self.clock()
         out = []
-        for spec in self.specs:
-            start, end = period_bounds(spec.period, now)
-            with self._lock:
-                spent = self._current(spec, start)
-            scope, name = spec.scope
-            out.append({"budget": budget_name(spec), "scope": scope, "name": name, "period": spec.period,
-                        "spent": spent, "limit": spec.limit, "hard_cap": spec.hard_cap, "end": end})
+        with self.database.connect() as db:
+            for spec in self.specs:
+                start, end = period_bounds(spec.period, now)
+                row = db.execute("SELECT spent FROM budget_spend WHERE budget = ? AND period_start = ?",
+                                 (budget_name(spec), start)).fetchone()
+                scope, name = spec.scope
+                out.append({"budget": budget_name(spec), "scope": scope, "name": name, "period": spec.period,
+                            "spent": row[0] if row else self.ledger.spent(db, scope, name, start, end),
+                            "limit": spec.limit, "hard_cap": spec.hard_cap, "end": end})
         return out
 
-    def _current(self, spec: BudgetSpec, start: float) -> float:
-        key = (budget_name(spec), start)
-        if key not in self._spent:
-            self._spent = {k: v for k, v in self._spent.items() if k[0] != key[0]}  # earlier periods are done
-            self._spent[key] = self.ledger.spent(*spec.scope, since=start)
-        return self._spent[key]
+    def close(self) -> None:
+        """Stop renewing holds (those still taken lapse after HOLD_TTL)."""
+        self._stop.set()
+
+    def _spent(self, db: Connection, spec: BudgetSpec, start: float, end: float) -> float:
+        """The budget's settled spend in the period starting at `start`, its row locked until
+        the transaction ends; the row is first seeded from the ledger if no server has yet."""
+        name = budget_name(spec)
+        select = f"SELECT spent FROM budget_spend WHERE budget = ? AND period_start = ?{db.for_update}"
+        row = db.execute(select, (name, start)).fetchone()
+        if row is None:
+            # Every ledger write for this budget seeds or updates this row first, and a second
+            # server's seed waits on ours and then does nothing: no request counts twice.
+            db.execute("INSERT INTO budget_spend VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                       (name, start, self.ledger.spent(db, *spec.scope, start, end)))
+            row = db.execute(select, (name, start)).fetchone()
+        return row[0]
+
+    def renew(self) -> None:
+        """Push back the expiry of every hold this server has (its thread does, every 30 s)."""
+        self.database.run("UPDATE budget_holds SET expires = ? WHERE owner = ?", (self.clock() + HOLD_TTL, self.owner))
+
+    def _renew_while_open(self) -> None:
+        while not self._stop.wait(_RENEW_EVERY):
+            with self._lock:
+                holding = bool(self._held)
+            if holding:
+                try:
+                    self.renew()
+                except Exception:  # noqa: BLE001 -- the database is away: try again next round
+                    _log.exception("could not renew budget holds")
 
     def _alert(self, spec: BudgetSpec, start: float, threshold: float, spent: float) -> None:
         scope, name = spec.scope
@@ -116,3 +213,20 @@ class Budgets:
         _log.warning("budget %s reached %d%%: $%.4f of $%.4f", payload["budget"], round(threshold * 100), spent, spec.limit)
         if self.webhook is not None:
             self.webhook.send(payload)
+
+
+def _refusal(spec: BudgetSpec, spent: float, holding: float, dollars: float, end: float,
+             now: float) -> BudgetExceeded:
+    scope, name = spec.scope
+    budget = f"the {spec.period} budget of {scope} {name!r}"
+    resets = dt.datetime.fromtimestamp(end, dt.timezone.utc).isoformat()
+    until_reset = max(1, int(end - now))
+    if spent + _SLACK >= spec.limit:
+        return BudgetExceeded(f"{budget} is spent (${spent:.6f} of ${spec.limit:.6f}); it resets at {resets}",
+                              until_reset)
+    if spent + dollars > spec.limit + _SLACK:
+        return BudgetExceeded(f"{budget} has ${spec.limit - spent:.6f} left of ${spec.limit:.6f}, and this request "
+                              f"may cost up to ${dollars:.6f} (its prompt and max_tokens at its lane's price); "
+                              f"lower max_tokens, or wait for the reset at {resets}", until_reset)
+    return BudgetExceeded(f"{budget} is held by requests in flight (${spent:.6f} spent and ${holding:.6f} held, of "
+                          f"${spec.limit:.6f}); this request may cost up to ${dollars:.6f}: retry when they finish", 1)

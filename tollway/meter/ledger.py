@@ -1,18 +1,20 @@
-"""The ledger: one SQLite row per API request, written before its response ends.
+"""The ledger: one row per API request, written before its response ends, in a SQLite file
+(the default) or a PostgreSQL database that a fleet of servers shares (tollway/storage).
 
-WAL mode with synchronous=FULL: a commit is on disk when `record` returns, so a request
-whose response completed survives a SIGKILL or a power cut. Readers never block the writer.
-Each thread has its own connection; SQLite serialises writers, across processes too.
+A commit is durable when `record` returns (SQLite: WAL with synchronous=FULL; PostgreSQL:
+its default synchronous_commit), so a request whose response completed survives a SIGKILL or
+a power cut. Readers never block the writer; writers are serialised by the database, across
+processes and machines too.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import math
-import sqlite3
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from tollway.storage.database import Connection, Database, as_database
 
 GROUPS = ("key", "tier", "tag", "model")
 
@@ -74,43 +76,29 @@ class LedgerRow:
 
 
 class Ledger:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._local = threading.local()
-        with self._db() as db:
-            db.executescript(_SCHEMA)
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.row_factory = sqlite3.Row
-            self._local.db = db
-        return db
+    def __init__(self, target: Database | str | Path):
+        """`target`: a Database, a postgresql:// URL, or a SQLite file's path."""
+        self.database = as_database(target)
+        self.database.create_schema(_SCHEMA)
 
     def record(self, row: LedgerRow) -> None:
-        """Insert the row and its tags in one transaction, on disk when this returns."""
+        """Insert the row and its tags in one transaction, durable when this returns."""
+        with self.database.transaction() as db:
+            self.write(db, row)
+
+    @staticmethod
+    def write(db: Connection, row: LedgerRow) -> None:
+        """Insert the row and its tags in the caller's transaction."""
         values = asdict(row)
         values["tags"] = json.dumps(row.tags)
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
-                       list(values.values()))
-            db.executemany("INSERT INTO request_tags VALUES (?, ?)", [(row.id, t) for t in dict.fromkeys(row.tags)])
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        db.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                   list(values.values()))
+        db.executemany("INSERT INTO request_tags VALUES (?, ?)", [(row.id, t) for t in dict.fromkeys(row.tags)])
 
     def rows(self, start: float | None = None, end: float | None = None) -> list[LedgerRow]:
         where, args = _window(start, end)
         out = []
-        for r in self._db().execute(f"SELECT * FROM requests {where} ORDER BY created", args):
-            values = dict(r)
+        for values in self._dicts(f"SELECT * FROM requests {where} ORDER BY created", args):
             values["tags"] = json.loads(values["tags"])
             out.append(LedgerRow(**values))
         return out
@@ -132,32 +120,35 @@ class Ledger:
                  f"SUM(r.engine_seconds) AS engine_seconds, SUM(r.cost) AS cost, SUM(r.price) AS price "
                  f"FROM {source} {where} GROUP BY grp ORDER BY grp")
         out = []
-        for r in self._db().execute(query, args):
-            row = {group_by: r["grp"], **{k: r[k] for k in r.keys() if k != "grp"}}
+        for r in self._dicts(query, args):
+            row = {group_by: r.pop("grp"), **r}
             row["margin"] = row["price"] - row["cost"]
             out.append(row)
         return out
 
-    def spent(self, scope: str, name: str, since: float) -> float:
-        """Billed dollars since `since` for one key (by name) or one tag."""
+    @staticmethod
+    def spent(db: Connection, scope: str, name: str, start: float, end: float) -> float:
+        """Billed dollars in [start, end) for one key (by name) or one tag."""
         if scope == "key":
-            query, args = "SELECT SUM(price) FROM requests WHERE key = ? AND created >= ?", (name, since)
+            query = "SELECT SUM(price) FROM requests WHERE key = ? AND created >= ? AND created < ?"
         else:
             query = ("SELECT SUM(r.price) FROM requests r JOIN request_tags t ON t.request_id = r.id "
-                     "WHERE t.tag = ? AND r.created >= ?")
-            args = (name, since)
-        return self._db().execute(query, args).fetchone()[0] or 0.0
+                     "WHERE t.tag = ? AND r.created >= ? AND r.created < ?")
+        return db.execute(query, (name, start, end)).fetchone()[0] or 0.0
 
     def claim_alert(self, budget: str, period_start: float, threshold: float, now: float) -> bool:
-        """True the first time this alert is claimed for this period (across restarts)."""
-        cur = self._db().execute("INSERT OR IGNORE INTO alerts VALUES (?, ?, ?, ?)", (budget, period_start, threshold, now))
-        return cur.rowcount == 1
+        """True the first time this alert is claimed for this period (across restarts and servers)."""
+        return self.database.run("INSERT INTO alerts VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                                 (budget, period_start, threshold, now)) == 1
 
     def close(self) -> None:
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            db.close()
-            self._local.db = None
+        self.database.close()
+
+    def _dicts(self, query: str, args) -> list[dict]:
+        with self.database.connect() as db:
+            cursor = db.execute(query, args)
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, r)) for r in cursor.fetchall()]
 
 
 def _window(start: float | None, end: float | None, column: str = "created") -> tuple[str, list]:

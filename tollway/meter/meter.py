@@ -70,7 +70,6 @@ class Meter:
         return engine_seconds * self.price_card.price_per_second
 
     def settle(self, row: LedgerRow) -> None:
-        """Record a finished request (durably, before its response ends) and count it against
-        its budgets. Blocking: call it off the event loop."""
-        self.ledger.record(row)
-        self.budgets.add(row)
+        """Record a finished request (durably, before its response ends), count it against its
+        budgets and release what they held for it. Blocking: call it off the event loop."""
+        self.budgets.settle(row)

@@ -37,16 +37,17 @@ from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.service_tier import tier_for
+from tollway.storage.database import Database
 
 
 def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
-               gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | None = None,
+               gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
                meter: Meter | None = None) -> FastAPI:
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
-    `batch_dir` holds the Batch API's files and jobs (None: no Batch API). `meter` attributes
-    engine time, keeps the ledger and enforces budgets (None: no metering); /metrics and
-    /dashboard then show its cost per lane and its budgets."""
+    `batch_dir` holds the Batch API's files and jobs: a folder, or the fleet's Database (None: no
+    Batch API). `meter` attributes engine time, keeps the ledger and enforces budgets (None: no
+    metering); /metrics and /dashboard then show its cost per lane and its budgets."""
     runner: BatchRunner | None = None
     if meter is not None:
         engine.observe(meter.on_step)
@@ -152,21 +153,24 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         logprobs = (req.top_logprobs or 0 if req.logprobs else None) if kind == "chat" else req.logprobs
         params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
         gen.key, gen.tags = key.name if key else "", tags
+        prompt_tokens, most_tokens = sum(len(p) for p in prompts), max_tokens * req.n * len(prompts)
         if meter is not None:
+            most = meter.price_card.billed(tier, prompt_tokens, most_tokens)  # the most it can be billed
             try:
-                meter.budgets.check(gen.key, tags)
+                await asyncio.to_thread(meter.budgets.reserve, gen.id, gen.key, tags, most)
             except BudgetExceeded as e:
                 raise APIError(429, str(e), code="budget_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
-        gatekeeper.admit(key, sum(len(p) for p in prompts) + max_tokens * req.n * len(prompts))
-        if meter is not None:
-            gen.metered = True
-            meter.watch(gen.request_ids(len(prompts) * req.n))
         try:
+            gatekeeper.admit(key, prompt_tokens + most_tokens)
+            if meter is not None:
+                gen.metered = True
+                meter.watch(gen.request_ids(len(prompts) * req.n))
             await gen.start(engine, prompts, params)
         except BaseException:
-            if meter is not None:  # refused before any engine work: nothing to record
+            if meter is not None:  # refused before any engine work: nothing to record, nothing to hold
                 gen.metered = False
                 meter.release(gen.request_ids(len(prompts) * req.n))
+                asyncio.get_running_loop().run_in_executor(None, meter.budgets.release, gen.id)
             raise
         return gen
 

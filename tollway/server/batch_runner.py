@@ -1,33 +1,62 @@
 """Runs Batch API jobs in the batch lane: each line becomes a request through the same code as
 the HTTP endpoints, its result is committed as soon as it is known, and a job picks up where
-it left off after a restart."""
+it left off after a restart.
+
+Servers that share a database share its jobs, and each job runs on one of them at a time: the
+server running it holds a claim in the store and renews it every SWEEP seconds. Each sweep
+also takes up unfinished jobs whose claim lapsed (their server died or stopped), and notices
+jobs another server was asked to cancel.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from tollway.server.batch_store import BatchStore, new_id
 from tollway.server.errors import APIError, error_body
 
 Complete = Callable[[str, dict], Awaitable[dict]]
+SWEEP = 10.0  # seconds between claim renewals
+LEASE = 3 * SWEEP  # a claim not renewed for this long has lost its server
+
+_log = logging.getLogger(__name__)
 
 
 class BatchRunner:
     def __init__(self, store: BatchStore, complete: Complete, concurrency: int = 64):
         """complete(url, body): the response body of one line, or raises APIError."""
         self.store, self.complete, self.concurrency = store, complete, concurrency
+        self.owner = uuid.uuid4().hex  # this server, in the claims it holds
         self._tasks: dict[str, asyncio.Task] = {}
+        self._sweeper: asyncio.Task | None = None
 
     def resume(self) -> None:
-        """Restart every job a previous server left unfinished."""
-        for batch_id in self.store.unfinished():
-            self.start(batch_id)
+        """Take up every unfinished job no other server is running, now and at every sweep."""
+        self.sweep()
+        self._sweeper = asyncio.create_task(self._sweep_while_running(), name="batch sweep")
 
     def start(self, batch_id: str) -> None:
-        self._tasks[batch_id] = asyncio.create_task(self._run(batch_id), name=f"batch {batch_id}")
+        """Run the job here, unless another live server has claimed it."""
+        if self.store.claim(batch_id, self.owner, time.time(), LEASE):
+            self._tasks[batch_id] = asyncio.create_task(self._run(batch_id), name=f"batch {batch_id}")
+
+    def sweep(self) -> None:
+        """Renew this server's claims, stop what another server was asked to cancel, and start
+        the jobs whose claim lapsed."""
+        for batch_id, status in self.store.unfinished().items():
+            task = self._tasks.get(batch_id)
+            if task is None or task.done():  # a task that ended with its job unfinished died: rerun it
+                self.start(batch_id)
+            elif status == "cancelling":
+                task.cancel()  # _run finishes it as cancelled
+            elif not self.store.claim(batch_id, self.owner, time.time(), LEASE):
+                self._tasks.pop(batch_id).cancel()  # this server stalled past its lease: another took over
 
     async def cancel(self, batch_id: str) -> dict:
+        """Cancel the job; if another server runs it, that server stops it at its next sweep."""
         batch = self.store.update(batch_id, status="cancelling", cancelling_at=int(time.time()))
         task = self._tasks.get(batch_id)
         if task is not None:
@@ -36,18 +65,28 @@ class BatchRunner:
                 await task
             except asyncio.CancelledError:
                 pass
-            self._finish(batch_id, "cancelled")
+            self._finish_if_cancelling(batch_id)  # a task cancelled before it began never ran _run
         return self.store.batch(batch_id) or batch
 
     async def shutdown(self) -> None:
-        for task in self._tasks.values():
+        tasks = [*self._tasks.values(), *([self._sweeper] if self._sweeper else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self.store.unclaim(self.owner)  # another server may take them up at its next sweep
+
+    async def _sweep_while_running(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP)
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 -- the database is away: try again next sweep
+                _log.exception("batch sweep failed")
 
     async def _run(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
-        if batch["status"] == "cancelling":
-            self._finish(batch_id, "cancelled")
+        if self._finish_if_cancelling(batch_id):
             return
         if batch["status"] == "validating":
             self.store.update(batch_id, status="in_progress", in_progress_at=int(time.time()))
@@ -69,12 +108,21 @@ class BatchRunner:
         try:
             # Past its completion window a batch expires; its in-flight lines are aborted.
             await asyncio.wait_for(lines, timeout=max(0.0, batch["expires_at"] - time.time()))
+        except asyncio.CancelledError:
+            self._finish_if_cancelling(batch_id)  # or it is a shutdown, or another server took over
+            raise
         except TimeoutError:
             for line_no, custom_id, _, _ in self.store.pending_lines(batch_id):
                 self.store.record(batch_id, line_no, False, _line(custom_id, None, _EXPIRED))
             self._finish(batch_id, "expired")
             return
         self._finish(batch_id, "completed")
+
+    def _finish_if_cancelling(self, batch_id: str) -> bool:
+        if self.store.batch(batch_id)["status"] != "cancelling":
+            return False
+        self._finish(batch_id, "cancelled")
+        return True
 
     def _finish(self, batch_id: str, status: str) -> None:
         """status: completed, cancelled or expired."""

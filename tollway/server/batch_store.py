@@ -1,24 +1,25 @@
-"""The Batch API's durable state: uploaded files in a folder, their metadata and every batch and
-batch line in SQLite.
+"""The Batch API's durable state: uploaded files, and every batch and batch line, in a SQLite
+file (the default) or the fleet's PostgreSQL database (tollway/storage).
 
-Each line's result is committed on its own as it completes (INSERT OR IGNORE on the line's
-number), and output files are only assembled from those rows at the end. A server killed at
-any point therefore resumes with no lost line and no duplicated one.
+Each line's result is committed on its own as it completes (ignored if the line already has
+one), and output files are only assembled from those rows at the end. A server killed at any
+point therefore resumes with no lost line and no duplicated one.
 """
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import sqlite3
-import tempfile
 import time
 from pathlib import Path
+
+from tollway.storage.database import Database, as_database, is_database_url
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS file_contents (
+    id TEXT PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batch_lines (
@@ -27,6 +28,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
 CREATE TABLE IF NOT EXISTS batch_results (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, ok INTEGER NOT NULL, line TEXT NOT NULL,
     PRIMARY KEY (batch_id, line_no));
+CREATE TABLE IF NOT EXISTS batch_claims (  -- which server runs a job, while it keeps renewing
+    batch_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 """
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
@@ -36,112 +39,123 @@ def new_id(prefix: str) -> str:
 
 
 class BatchStore:
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.files_dir = self.root / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        with self._db() as db:
-            db.executescript(_SCHEMA)
-
-    def _db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.root / "batches.sqlite", timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        return db
+    def __init__(self, target: Database | str | Path):
+        """`target`: a Database, a postgresql:// URL, or a folder to keep a SQLite file in."""
+        folder = None if isinstance(target, Database) or is_database_url(target) else Path(target)
+        self.database = as_database(folder / "batches.sqlite" if folder else target)
+        self.database.create_schema(_SCHEMA)
+        if folder is not None:
+            self._adopt_files(folder / "files")
 
     # ---- files --------------------------------------------------------------------------
 
     def add_file(self, filename: str, purpose: str, data: bytes) -> dict:
         file_id = new_id("file")
-        _write_atomically(self.files_dir / file_id, data)
-        created = int(time.time())
-        with self._db() as db:
-            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", (file_id, filename, purpose, len(data), created))
+        with self.database.transaction() as db:
+            db.execute("INSERT INTO file_contents VALUES (?, ?)", (file_id, data))
+            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", (file_id, filename, purpose, len(data), int(time.time())))
         return self.file(file_id)
 
     def file(self, file_id: str) -> dict | None:
-        with self._db() as db:
-            row = db.execute("SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?",
-                             (file_id,)).fetchone()
-        return _file_object(row) if row else None
+        rows = self.database.query("SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?", (file_id,))
+        return _file_object(rows[0]) if rows else None
 
     def files(self, purpose: str | None = None) -> list[dict]:
-        with self._db() as db:
-            rows = db.execute("SELECT id, filename, purpose, bytes, created_at FROM files "
-                              "WHERE ?1 IS NULL OR purpose = ?1 ORDER BY created_at, id", (purpose,)).fetchall()
+        where, args = ("WHERE purpose = ?", (purpose,)) if purpose is not None else ("", ())
+        rows = self.database.query(f"SELECT id, filename, purpose, bytes, created_at FROM files {where} "
+                                   "ORDER BY created_at, id", args)
         return [_file_object(r) for r in rows]
 
     def file_content(self, file_id: str) -> bytes:
-        return (self.files_dir / file_id).read_bytes()
+        return bytes(self.database.query("SELECT data FROM file_contents WHERE id = ?", (file_id,))[0][0])
 
     def delete_file(self, file_id: str) -> bool:
-        with self._db() as db:
-            gone = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-        (self.files_dir / file_id).unlink(missing_ok=True)
-        return bool(gone)
+        with self.database.transaction() as db:
+            db.execute("DELETE FROM file_contents WHERE id = ?", (file_id,))
+            return bool(db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount)
+
+    def _adopt_files(self, folder: Path) -> None:
+        """Move uploads that earlier versions kept as files in `folder` into the database."""
+        if not folder.is_dir():
+            return
+        for path in folder.iterdir():
+            if not path.name.startswith("."):  # dot files: writes a crash interrupted, never listed
+                self.database.run("INSERT INTO file_contents VALUES (?, ?) ON CONFLICT DO NOTHING",
+                                  (path.name, path.read_bytes()))
+            path.unlink()
+        folder.rmdir()
 
     # ---- batches ------------------------------------------------------------------------
 
     def create_batch(self, batch: dict, lines: list[tuple[str, str, dict]]) -> dict:
         """Store a new batch object and its lines (custom_id, url, body) in one transaction."""
-        with self._db() as db:
+        with self.database.transaction() as db:
             db.execute("INSERT INTO batches VALUES (?, ?)", (batch["id"], json.dumps(batch)))
             db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, ?)",
                            [(batch["id"], i, cid, url, json.dumps(body)) for i, (cid, url, body) in enumerate(lines)])
         return batch
 
     def batch(self, batch_id: str) -> dict | None:
-        with self._db() as db:
-            row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        if row is None:
+        rows = self.database.query("SELECT body FROM batches WHERE id = ?", (batch_id,))
+        if not rows:
             return None
-        batch = json.loads(row[0])
+        batch = json.loads(rows[0][0])
         batch["request_counts"] = self._counts(batch_id, batch["request_counts"]["total"])
         return batch
 
     def batches(self) -> list[dict]:
-        with self._db() as db:
-            ids = [r[0] for r in db.execute("SELECT id FROM batches ORDER BY json_extract(body, '$.created_at') DESC, "
-                                            "id DESC").fetchall()]
-        return [self.batch(i) for i in ids]
+        """Newest first."""
+        bodies = [json.loads(body) for (body,) in self.database.query("SELECT body FROM batches")]
+        bodies.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        return [self.batch(b["id"]) for b in bodies]
 
     def update(self, batch_id: str, **fields) -> dict:
-        with self._db() as db:
-            batch = json.loads(db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()[0])
+        with self.database.transaction() as db:
+            body = db.execute(f"SELECT body FROM batches WHERE id = ?{db.for_update}", (batch_id,)).fetchone()[0]
+            batch = json.loads(body)
             batch.update(fields)
             db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(batch), batch_id))
         return self.batch(batch_id)
 
-    def unfinished(self) -> list[str]:
-        with self._db() as db:
-            rows = db.execute("SELECT id, json_extract(body, '$.status') FROM batches").fetchall()
-        return [i for i, status in rows if status in UNFINISHED]
+    def unfinished(self) -> dict[str, str]:
+        """The status of every job not yet done, by id."""
+        statuses = {i: json.loads(body)["status"] for i, body in self.database.query("SELECT id, body FROM batches")}
+        return {i: status for i, status in statuses.items() if status in UNFINISHED}
+
+    def claim(self, batch_id: str, owner: str, now: float, lease: float) -> bool:
+        """Take the job for `owner` (or keep it) for `lease` seconds from `now`; False while
+        another owner's claim is live."""
+        return self.database.run(
+            "INSERT INTO batch_claims VALUES (?, ?, ?) ON CONFLICT (batch_id) DO UPDATE SET owner = excluded.owner, "
+            "expires = excluded.expires WHERE batch_claims.owner = excluded.owner OR batch_claims.expires <= ?",
+            (batch_id, owner, now + lease, now)) == 1
+
+    def unclaim(self, owner: str) -> None:
+        self.database.run("DELETE FROM batch_claims WHERE owner = ?", (owner,))
 
     def pending_lines(self, batch_id: str) -> list[tuple[int, str, str, dict]]:
         """Lines with no committed result yet: (line_no, custom_id, url, body)."""
-        with self._db() as db:
-            rows = db.execute("SELECT l.line_no, l.custom_id, l.url, l.body FROM batch_lines l LEFT JOIN batch_results r "
-                              "ON r.batch_id = l.batch_id AND r.line_no = l.line_no "
-                              "WHERE l.batch_id = ? AND r.line_no IS NULL ORDER BY l.line_no", (batch_id,)).fetchall()
+        rows = self.database.query(
+            "SELECT l.line_no, l.custom_id, l.url, l.body FROM batch_lines l LEFT JOIN batch_results r "
+            "ON r.batch_id = l.batch_id AND r.line_no = l.line_no "
+            "WHERE l.batch_id = ? AND r.line_no IS NULL ORDER BY l.line_no", (batch_id,))
         return [(n, cid, url, json.loads(body)) for n, cid, url, body in rows]
 
     def record(self, batch_id: str, line_no: int, ok: bool, line: dict) -> None:
         """A line's result, committed now; a second result for the same line is ignored."""
-        with self._db() as db:
-            db.execute("INSERT OR IGNORE INTO batch_results VALUES (?, ?, ?, ?)",
-                       (batch_id, line_no, int(ok), json.dumps(line, separators=(",", ":"))))
+        self.database.run("INSERT INTO batch_results VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                          (batch_id, line_no, int(ok), json.dumps(line, separators=(",", ":"))))
 
     def _counts(self, batch_id: str, total: int) -> dict:
-        with self._db() as db:
-            done, failed = db.execute("SELECT COUNT(*), COALESCE(SUM(1 - ok), 0) FROM batch_results WHERE batch_id = ?",
-                                      (batch_id,)).fetchone()
+        done, failed = self.database.query("SELECT COUNT(*), COALESCE(SUM(1 - ok), 0) FROM batch_results "
+                                           "WHERE batch_id = ?", (batch_id,))[0]
         return {"total": total, "completed": done - failed, "failed": failed}
 
     def write_results(self, batch_id: str) -> tuple[str | None, str | None]:
         """The output and error files, from the committed results in line order. Returns their
         ids (None where there is nothing to put in one)."""
-        with self._db() as db:
-            rows = db.execute("SELECT ok, line FROM batch_results WHERE batch_id = ? ORDER BY line_no",
-                              (batch_id,)).fetchall()
+        rows = self.database.query("SELECT ok, line FROM batch_results WHERE batch_id = ? ORDER BY line_no",
+                                   (batch_id,))
         out = [line for ok, line in rows if ok]
         err = [line for ok, line in rows if not ok]
         output = self.add_file(f"{batch_id}_output.jsonl", "batch_output", _jsonl(out))["id"] if out else None
@@ -158,15 +172,3 @@ def _file_object(row) -> dict:
     return {"id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
             "purpose": purpose, "status": "processed"}
 
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

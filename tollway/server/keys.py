@@ -1,16 +1,16 @@
 """API keys: who may call, in which lanes, and how much per minute.
 
-Keys come from the config file's [[keys]] and from a SQLite store that `tollway keys` manages
-(the store keeps only a SHA-256 of each key). With no keys anywhere the server is open, as
-vLLM is without --api-key. Limits are sliding 60-second windows per key: requests, and
-tokens counted as prompt + max_tokens when a request arrives (as OpenAI counts them).
+Keys come from the config file's [[keys]] and from a store that `tollway keys` manages (a
+SQLite file, or the fleet's PostgreSQL database; it keeps only a SHA-256 of each key). With no
+keys anywhere the server is open, as vLLM is without --api-key. Limits are sliding 60-second
+windows per key: requests, and tokens counted as prompt + max_tokens when a request arrives
+(as OpenAI counts them).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from collections import deque
@@ -19,12 +19,13 @@ from pathlib import Path
 
 from tollway.config import TIERS, KeySpec
 from tollway.server.errors import APIError
+from tollway.storage.database import Database, as_database
 
 WINDOW = 60.0
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS keys (
     sha256 TEXT PRIMARY KEY, name TEXT NOT NULL, tiers TEXT NOT NULL, rpm INTEGER, tpm INTEGER,
-    created REAL NOT NULL)"""
+    created REAL NOT NULL);"""
 
 
 def _digest(key: str) -> str:
@@ -32,43 +33,34 @@ def _digest(key: str) -> str:
 
 
 class KeyDatabase:
-    """The SQLite store of keys (`tollway keys add/list/revoke`)."""
+    """The store of keys (`tollway keys add/list/revoke`)."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.execute(_SCHEMA)
-
-    def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=10)
+    def __init__(self, target: Database | str | Path):
+        """`target`: a Database, a postgresql:// URL, or a SQLite file's path."""
+        self.database = as_database(target)
+        self.database.create_schema(_SCHEMA)
 
     def add(self, name: str, tiers: list[str], rpm: int | None, tpm: int | None) -> str:
         """A new key, returned once; only its hash is stored."""
         key = "sk-tw-" + secrets.token_urlsafe(24)
         KeySpec(key, name, tiers, rpm, tpm).validate()
-        with self._connect() as db:
-            db.execute("INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?)",
-                       (_digest(key), name, json.dumps(tiers), rpm, tpm, time.time()))
+        self.database.run("INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?)",
+                          (_digest(key), name, json.dumps(tiers), rpm, tpm, time.time()))
         return key
 
     def revoke(self, name: str) -> int:
-        with self._connect() as db:
-            return db.execute("DELETE FROM keys WHERE name = ?", (name,)).rowcount
+        return self.database.run("DELETE FROM keys WHERE name = ?", (name,))
 
     def list(self) -> list[dict]:
-        with self._connect() as db:
-            rows = db.execute("SELECT name, tiers, rpm, tpm, created FROM keys ORDER BY created").fetchall()
+        rows = self.database.query("SELECT name, tiers, rpm, tpm, created FROM keys ORDER BY created")
         return [{"name": n, "tiers": json.loads(t), "rpm": rpm, "tpm": tpm, "created": c} for n, t, rpm, tpm, c in rows]
 
     def lookup(self, key: str) -> KeySpec | None:
-        with self._connect() as db:
-            row = db.execute("SELECT name, tiers, rpm, tpm FROM keys WHERE sha256 = ?", (_digest(key),)).fetchone()
-        return KeySpec(key, row[0], json.loads(row[1]), row[2], row[3]) if row else None
+        rows = self.database.query("SELECT name, tiers, rpm, tpm FROM keys WHERE sha256 = ?", (_digest(key),))
+        return KeySpec(key, rows[0][0], json.loads(rows[0][1]), rows[0][2], rows[0][3]) if rows else None
 
     def count(self) -> int:
-        with self._connect() as db:
-            return db.execute("SELECT COUNT(*) FROM keys").fetchone()[0]
+        return self.database.query("SELECT COUNT(*) FROM keys")[0][0]
 
 
 class Gatekeeper:
