@@ -42,6 +42,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
     serve.add_argument("--data-dir", help=f"Batch API files and jobs (default {user_data_dir('tollway')})")
     serve.add_argument("--database-url", help=DATABASE_URL_HELP)
+    serve.add_argument("--replicas", type=int, help="run N engines on Ray behind a tier-aware router (needs tollway[ray])")
+    serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
     add_engine_arguments(serve)
     keys = sub.add_parser("keys", help="manage API keys in the key store")
     keys.add_argument("action", choices=("add", "list", "revoke"))
@@ -184,7 +186,6 @@ def _serve(args) -> int:
     from tollway.async_engine import AsyncEngine
     from tollway.engine import Engine
     from tollway.server.app import create_app
-    from tollway.server.keys import Gatekeeper, KeyDatabase
     from tollway.server.metrics import Metrics
 
     server = load_server_config(args.config) if args.config else ServerConfig()
@@ -194,12 +195,16 @@ def _serve(args) -> int:
             setattr(server, name, value)
     server.keys += [KeySpec(key) for key in args.api_key]
     server.keys += [KeySpec(key, "admin", admin=True) for key in args.admin_key]
-    shared = _shared_database(server)
-    gatekeeper = Gatekeeper(server.keys, KeyDatabase(shared or server.keys_db or default_keys_db()))
     config = engine_config(args)
     name = server.served_model_name or config.model
+    if args.replicas is not None:
+        from tollway.fleet.fleet import serve_fleet
+        from tollway.fleet.replica import ReplicaSpec
+
+        return serve_fleet(ReplicaSpec(name, config, server, server_parts), args.replicas, args.ray_address,
+                           server.host, server.port)
+    gatekeeper, meter, batch_dir = server_parts(server, config)
     metrics = Metrics(name)
-    meter = _meter(server, config, shared)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
     try:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
@@ -207,7 +212,6 @@ def _serve(args) -> int:
                   file=sys.stderr)
         print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1 "
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
-        batch_dir = shared or Path(server.data_dir or user_data_dir("tollway")) / "batches"
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,
                     port=server.port, log_level="warning")
@@ -219,6 +223,17 @@ def _serve(args) -> int:
         for database in {meter.ledger.database, gatekeeper.database.database}:
             database.close()
     return 0
+
+
+def server_parts(server: ServerConfig, config: EngineConfig):
+    """What a serving process builds from the server's settings: its gatekeeper, its meter and
+    the Batch API's store. (Each replica of a fleet builds its own.)"""
+    from tollway.server.keys import Gatekeeper, KeyDatabase
+
+    shared = _shared_database(server)
+    gatekeeper = Gatekeeper(server.keys, KeyDatabase(shared or server.keys_db or default_keys_db()))
+    return (gatekeeper, _meter(server, config, shared),
+            shared or Path(server.data_dir or user_data_dir("tollway")) / "batches")
 
 
 def _shared_database(server: ServerConfig):

@@ -1,0 +1,247 @@
+"""tollway serve --replicas: the routing policy and the merged metrics on their own, then a
+real local Ray instance with two replicas of the default model behind the tier-aware router,
+driven by the official openai client. One fleet for the module; the test that kills a replica
+runs last."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from tollway.cli import main, server_parts
+from tollway.config import TIERS, EngineConfig, MeterConfig, SchedulerConfig, ServerConfig
+from tollway.fleet.fleet import Fleet
+from tollway.fleet.load import ReplicaLoad
+from tollway.fleet.metrics import FleetMetrics
+from tollway.fleet.replica import ReplicaSpec
+from tollway.fleet.router import ReplicaState, Router
+
+from live_server import MODEL, free_port
+
+# Small steps keep runs short on two cores: 8 sequences (one slot reserved for fast), prefill
+# chunks of 64 tokens, and a fast target that caps the steps fast work rides in. Without
+# warm_for, steps after fast traffic are not kept short: standard prefills at full chunks.
+SCHEDULER = dict(kernel="int8", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=256)
+FAST = dict(tpot_target=0.05, warm_for=None)
+
+
+def load(running=None, waiting=None, outstanding=0, fast_slots=1, max_num_seqs=8) -> ReplicaLoad:
+    return ReplicaLoad({t: 0 for t in TIERS} | (running or {}), {t: 0 for t in TIERS} | (waiting or {}),
+                       200, 256, outstanding, fast_slots, max_num_seqs)
+
+
+def router(*loads: ReplicaLoad) -> Router:
+    return Router([ReplicaState(i, f"http://replica{i}", lo, 0.0) for i, lo in enumerate(loads)], clock=lambda: 1.0)
+
+
+def test_fast_goes_where_fast_slots_are_free():
+    r = router(load(running={"fast": 1}, outstanding=10), load(running={"standard": 7}, outstanding=900))
+    assert r.choose("fast", "")[0].index == 1  # replica 0's one fast slot is taken
+    r.sent(r.replicas[1], "fast", "", 50)  # counted at once, before the next report
+    assert r.choose("fast", "")[0].index == 0  # both full now: the lighter one
+
+
+def test_standard_goes_by_outstanding_tokens_unless_its_prefix_is_cached_nearby():
+    r = router(load(outstanding=100), load(outstanding=40))
+    shared = "You are a helpful assistant. " * 40  # 1160 characters: four chunks, about 290 tokens
+    assert r.choose("standard", shared) == (r.replicas[1], "least_outstanding")
+    r.sent(r.replicas[0], "standard", shared + "First question?", 300)  # replica 0 now holds the prefix
+    r.reported(r.replicas[0], load(outstanding=250), asked=2.0)
+    # 210 tokens more work there, but the cached prefix saves more prefill than that.
+    assert r.choose("standard", shared + "Second question?") == (r.replicas[0], "prefix")
+    r.reported(r.replicas[0], load(outstanding=600), asked=3.0)
+    assert r.choose("standard", shared + "Third question?") == (r.replicas[1], "least_outstanding")
+    assert r.choose("standard", "short prompt")[1] == "least_outstanding"  # no whole chunk: no affinity
+
+
+def test_batch_goes_only_where_there_is_spare_capacity():
+    busy = load(running={"standard": 7}, waiting={"standard": 3})
+    r = router(busy, load(running={"standard": 5}))
+    assert r.choose("batch", "") == (r.replicas[1], "spare_capacity")  # 8 - 5 - 1 fast reserve = 2 spare
+    r.sent(r.replicas[1], "batch", "", 20)
+    r.sent(r.replicas[1], "batch", "", 20)
+    assert r.choose("batch", "") is None  # it waits in the router
+    r.reported(r.replicas[1], load(running={"standard": 4, "batch": 2}), asked=2.0)
+    assert r.choose("batch", "")[0].index == 1
+    r.replicas[1].draining = True
+    assert r.choose("batch", "") is None and r.choose("standard", "")[0].index == 0
+
+
+def test_metrics_of_replicas_merge_with_a_replica_label():
+    texts = {}
+    for replica, n in (("0", 3), ("1", 5)):
+        registry = CollectorRegistry()
+        Counter("tollway:request_success", "Finished requests.", ["tier"], registry=registry).labels("fast").inc(n)
+        texts[replica] = generate_latest(registry).decode()
+    lines = FleetMetrics(router(load(), load())).exposition(texts).decode().splitlines()
+    assert lines.count("# TYPE tollway:request_success_total counter") == 1
+    assert 'tollway:request_success_total{replica="0",tier="fast"} 3.0' in lines
+    assert 'tollway:request_success_total{replica="1",tier="fast"} 5.0' in lines
+    assert 'tollway:replica_up{replica="1",state="serving"} 1.0' in lines
+
+
+def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert "pip install 'tollway[ray]'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    try:
+        import ray
+    except ImportError:
+        assert not os.environ.get("TOLLWAY_REQUIRE_RAY"), "ray is missing, and CI requires the fleet tests"
+        pytest.skip("Ray is not installed (pip install 'tollway[ray]')")
+    import uvicorn
+
+    from tollway.fleet.ingress import create_ingress
+
+    root = tmp_path_factory.mktemp("fleet")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = EngineConfig(scheduler=SchedulerConfig(**SCHEDULER))
+    for name, value in FAST.items():
+        setattr(config.scheduler.tiers["fast"], name, value)
+    server = ServerConfig(data_dir=str(root), keys_db=str(root / "keys.sqlite"),
+                          meter=MeterConfig(ledger=str(root / "ledger.sqlite")))
+    fleet = Fleet(ReplicaSpec(MODEL, config, server, server_parts), 2)
+    fleet.start()
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_ingress(fleet), host="127.0.0.1", port=port, log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(uv.serve(),), daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "the ingress did not start"
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "fleet": fleet, "ledger": root / "ledger.sqlite",
+           "on_loop": lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60), "ray": ray}
+    uv.should_exit = True
+    thread.join(10)
+    fleet.shutdown()
+    ray.shutdown()
+
+
+def client(fleet, timeout=60.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def stream(fleet, prompt: str, tier: str, max_tokens: int, timeout: float = 60.0) -> dict:
+    """One streamed completion: its replica, id, token arrival times, and the error that ended it, if any."""
+    raw = client(fleet, timeout).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+        extra_body={"service_tier": tier, "ignore_eos": True})
+    result = {"replica": raw.headers["x-tollway-replica"], "tier": tier, "times": [], "id": None, "error": None}
+    try:
+        for chunk in raw.parse():
+            result["id"] = chunk.id
+            if chunk.choices and chunk.choices[0].text:
+                result["times"].append(time.perf_counter())
+    except openai.APIError as e:
+        result["error"] = e
+    return result
+
+
+def tpot(times: list[float]) -> float:
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def prompt(i: int, words: int = 60) -> str:
+    return " ".join(f"item{i}-{j}" for j in range(words))
+
+
+def ledger_rows(fleet) -> dict[str, str]:
+    with sqlite3.connect(fleet["ledger"]) as db:
+        return dict(db.execute("SELECT id, finish_reason FROM requests"))
+
+
+def test_mixed_lanes_spread_over_both_replicas_and_fast_keeps_its_advantage(fleet):
+    with ThreadPoolExecutor(16) as pool:
+        standard = []
+        for i in range(8):  # arriving one by one, so that standard steps carry prefill chunks
+            standard.append(pool.submit(stream, fleet, prompt(i, 30), "default", 16))
+            time.sleep(0.25)
+        fast = [pool.submit(stream, fleet, prompt(100 + i, 10), "priority", 12) for i in range(2)]
+        batch = [pool.submit(client(fleet).completions.create, model=MODEL, prompt=prompt(200 + i, 10),
+                             max_tokens=4, extra_body={"service_tier": "flex"}) for i in range(2)]
+        standard, fast, batch = ([f.result() for f in fs] for fs in (standard, fast, batch))
+    assert not [r["error"] for r in standard + fast if r["error"]]
+    assert {r["replica"] for r in standard} == {"0", "1"}
+    assert all(b.service_tier == "flex" and b.choices[0].text for b in batch)
+    fast_tpot = statistics.median(tpot(r["times"]) for r in fast)
+    standard_tpot = statistics.median(tpot(r["times"]) for r in standard)
+    assert fast_tpot < 0.8 * standard_tpot, (fast_tpot, standard_tpot)
+    # /metrics: each replica's series with its replica label beside the tier, and the router's.
+    text = httpx.get(fleet["url"] + "/metrics").text
+    served = [line for line in text.splitlines() if line.startswith("tollway:request_success_total{")]
+    assert any('replica="0"' in line and 'tier="standard"' in line for line in served)
+    assert any('replica="1"' in line and 'tier="standard"' in line for line in served)
+    assert 'tollway:router_requests_total{reason="fast_capacity"' in text
+
+
+def test_a_drained_replica_sheds_its_queue_to_the_other(fleet):
+    routed_before = dict(ledger_rows(fleet))
+    with ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(client(fleet).completions.with_raw_response.create, model=MODEL,
+                               prompt=prompt(300 + i, 10), max_tokens=12, extra_body={"ignore_eos": True})
+                   for i in range(20)]
+        replica = fleet["fleet"].router.replicas[1]
+        deadline = time.time() + 30
+        while replica.load.waiting["standard"] == 0:  # seven run at once; the rest queue
+            assert time.time() < deadline, "replica 1 never had a queue"
+            time.sleep(0.05)
+        shed = fleet["on_loop"](fleet["fleet"].drain(1))
+        responses = [f.result() for f in futures]
+    fleet["on_loop"](fleet["fleet"].resume(1))
+    assert shed > 0
+    bodies = [r.parse() for r in responses]
+    assert all(len(b.choices[0].text) > 0 and b.usage.completion_tokens == 12 for b in bodies)
+    # Each finished request has one ledger row; a shed attempt left none.
+    rows = ledger_rows(fleet)
+    assert {b.id for b in bodies} <= set(rows) and len(rows) - len(routed_before) == len(bodies)
+    assert all(rows[b.id] == "length" for b in bodies)
+    text = httpx.get(fleet["url"] + "/metrics").text
+    assert 'tollway:router_retries_total{tier="standard",why="queue_full"}' in text
+
+
+def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(stream, fleet, prompt(400 + i, 10), "default", 48, 30.0) for i in range(4)]
+        plain = [pool.submit(client(fleet, 30.0).completions.create, model=MODEL, prompt=prompt(500 + i, 10),
+                             max_tokens=8) for i in range(2)]
+        replicas = fleet["fleet"].router.replicas
+        deadline = time.time() + 30
+        while not all(r.load.running["standard"] for r in replicas):  # both are serving
+            assert time.time() < deadline, "the load never reached both replicas"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        fleet["ray"].kill(fleet["fleet"].actors[1])
+        started = time.time()
+        streams = [f.result() for f in streams]
+        plain = [f.result() for f in plain]
+    assert time.time() - started < 30
+    on_dead = [r for r in streams if r["replica"] == "1"]
+    on_live = [r for r in streams if r["replica"] == "0"]
+    assert on_dead and on_live
+    # The dead replica's clients got an error, not a hang; the rest finished.
+    assert all(isinstance(r["error"], openai.APIError) and "replica 1 failed" in str(r["error"]) for r in on_dead)
+    assert all(r["error"] is None and len(r["times"]) == 48 for r in on_live)
+    assert all(p.choices[0].text for p in plain)  # queued there or not, each plain request was served
+    rows = ledger_rows(fleet)
+    assert {r["id"] for r in on_live} | {p.id for p in plain} <= set(rows)
+    # The fleet carries on with one replica.
+    health = httpx.get(fleet["url"] + "/health").json()
+    assert [r["alive"] for r in health["replicas"]] == [True, False]
+    after = stream(fleet, prompt(600), "default", 8)
+    assert after["error"] is None and after["replica"] == "0"

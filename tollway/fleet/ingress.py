@@ -1,0 +1,227 @@
+"""The fleet's HTTP front: the same OpenAI API as one server, each completion routed to a
+replica by the tier-aware router (router.py) and proxied to that replica's own tollway API.
+
+A request is *committed* to a replica once its response has begun reaching the client: the
+whole body of a plain response, the first event of a stream. Until then any failure there
+(the replica died or stopped answering, refused it as draining or queue-full, or answered
+5xx) sends it to another replica, so no request is silently dropped. After that, a failed
+replica ends the stream with an OpenAI-style error event and [DONE], never a hang: its
+connection closes when its process dies, and the fleet kills a replica that stops answering
+its load polls.
+
+Everything else (/v1/models, /v1/usage, the Batch API, /dashboard) goes to the batch home
+replica, the one that runs Batch API jobs, or to any live one if it is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from tollway.fleet.router import ReplicaState, estimated_tokens
+from tollway.server import errors
+from tollway.server.errors import APIError
+from tollway.server.service_tier import tier_for
+
+_FORWARD = ("authorization", "content-type", "x-tollway-tags")
+_RETURN = ("content-type", "x-tollway-cost", "retry-after")
+# A chat request without max_tokens may run to the context's end; the router guesses this.
+_UNSPECIFIED_MAX_TOKENS = 256
+
+
+def create_ingress(fleet) -> FastAPI:
+    router, metrics = fleet.router, fleet.metrics
+    client: httpx.AsyncClient | None = None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        nonlocal client
+        # No read timeout: a generation may take minutes, and a dead replica closes its socket.
+        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
+        watcher = asyncio.create_task(fleet.watch())
+        yield
+        watcher.cancel()
+        await client.aclose()
+
+    app = FastAPI(title="tollway fleet", lifespan=lifespan)
+    errors.install(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        states = [{"replica": r.index, "alive": r.alive, "draining": r.draining} for r in router.replicas]
+        if not any(r.routable for r in router.replicas):
+            return JSONResponse(errors.error_body(503, "no replica is serving") | {"replicas": states}, status_code=503)
+        return JSONResponse({"status": "ok", "replicas": states})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        live = [r for r in router.replicas if r.alive]
+        texts = await asyncio.gather(*(_scrape(r) for r in live))
+        body = metrics.exposition({str(r.index): t for r, t in zip(live, texts) if t is not None})
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def _scrape(replica: ReplicaState) -> str | None:
+        try:
+            resp = await client.get(replica.url + "/metrics", timeout=10.0)
+            return resp.text if resp.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _route(request, "/v1/chat/completions")
+
+    async def _route(request: Request, path: str) -> Response:
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        try:
+            parsed = json.loads(body)
+            tier = tier_for(parsed.get("service_tier"))
+            text = prompt_text(parsed)
+            max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens") or (
+                _UNSPECIFIED_MAX_TOKENS if "messages" in parsed else 16)
+            tokens = estimated_tokens(text, int(max_tokens), int(parsed.get("n") or 1))
+            stream = bool(parsed.get("stream"))
+        except (ValueError, TypeError, AttributeError, APIError):
+            # Malformed: any replica answers it with the same error a single server would.
+            tier, text, tokens, stream = "standard", "", 0, False
+        tried: set[int] = set()
+        failure: Response | None = None
+        while True:
+            choice = router.choose(tier, text, tried)
+            if choice is None:
+                untried = [r for r in router.replicas if r.routable and r.index not in tried]
+                if not untried:
+                    return failure or JSONResponse(
+                        errors.error_body(503, "no replica is available to serve the request", code="replica_unavailable"),
+                        status_code=503)
+                # Batch runs only on spare capacity: it waits here until a replica has some.
+                metrics.waiting[tier] += 1
+                try:
+                    await router.wait_for_capacity(1.0)
+                finally:
+                    metrics.waiting[tier] -= 1
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            replica, reason = choice
+            router.sent(replica, tier, text, tokens)
+            metrics.routed.labels(tier, str(replica.index), reason).inc()
+            try:
+                return await _attempt(replica, path, body, headers, stream)
+            except _NotServed as e:
+                tried.add(replica.index)
+                metrics.retried.labels(tier, e.why).inc()
+                failure = e.refusal or failure
+
+    async def _attempt(replica: ReplicaState, path: str, body: bytes, headers: dict, stream: bool) -> Response:
+        """The replica's response, committed; _NotServed if another replica should have it."""
+        try:
+            resp = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers),
+                                     stream=True)
+        except httpx.TransportError:
+            await fleet.check(replica)
+            raise _NotServed("replica_lost") from None
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN}
+        out_headers["x-tollway-replica"] = str(replica.index)
+        try:
+            if resp.status_code != 200 or not stream:
+                content = await resp.aread()
+                response = Response(content, resp.status_code, out_headers)
+                refused = _refusal(resp.status_code, content)
+                if refused:
+                    raise _NotServed(refused, response)
+                return response
+            first = b""
+            chunks = resp.aiter_raw()
+            while b"\n\n" not in first:
+                first += await anext(chunks)
+        except (httpx.HTTPError, StopAsyncIteration):
+            await resp.aclose()
+            await fleet.check(replica)
+            raise _NotServed("replica_lost") from None
+        except _NotServed:
+            await resp.aclose()
+            raise
+        return StreamingResponse(_relay(replica, resp, first, chunks), headers=out_headers,
+                                 media_type="text/event-stream")
+
+    async def _relay(replica: ReplicaState, resp: httpx.Response, first: bytes,
+                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The replica's stream; if it breaks off before its [DONE], an error event ends it."""
+        tail = first[-64:]
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+                tail = (tail + chunk)[-64:]
+            if b"data: [DONE]" in tail:
+                return
+            why = "its stream ended early"
+        except httpx.HTTPError as e:
+            why = type(e).__name__
+        finally:
+            await resp.aclose()
+        metrics.failed_streams.labels(str(replica.index)).inc()
+        error = errors.error_body(500, f"replica {replica.index} failed mid-stream ({why}); the response is incomplete",
+                                  code="replica_failed")
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        await fleet.check(replica)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def passthrough(path: str, request: Request) -> Response:
+        home = fleet.home()
+        if home is None:
+            return JSONResponse(errors.error_body(503, "no replica is serving"), status_code=503)
+        url = f"{home.url}/{path}" + (f"?{request.url.query}" if request.url.query else "")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        try:
+            resp = await client.send(client.build_request(request.method, url, content=await request.body(),
+                                                          headers=headers), stream=True)
+        except httpx.TransportError:
+            await fleet.check(home)
+            return JSONResponse(errors.error_body(503, "the replica did not answer"), status_code=503)
+        kept = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
+        return StreamingResponse(resp.aiter_raw(), resp.status_code, kept, background=BackgroundTask(resp.aclose))
+
+    return app
+
+
+class _NotServed(Exception):
+    """The replica did not take the request (`why`); `refusal` is its answer, if it gave one."""
+
+    def __init__(self, why: str, refusal: Response | None = None):
+        super().__init__(why)
+        self.why, self.refusal = why, refusal
+
+
+def _refusal(status: int, content: bytes) -> str | None:
+    """Why another replica may serve a request this one refused: it was queue-full or
+    draining (429 queue_full), or failed (5xx); None for answers any replica would give."""
+    if status >= 500:
+        return "replica_error"
+    if status == 429:
+        try:
+            if json.loads(content)["error"]["code"] == "queue_full":
+                return "queue_full"
+        except (ValueError, KeyError, TypeError):
+            pass
+    return None
+
+
+def prompt_text(body: dict) -> str:
+    """The request's prompt as text, for prefix affinity and the token estimate: the prompt,
+    or the chat messages as JSON (a conversation's next turn extends the same text)."""
+    prompt = body.get("messages", body.get("prompt", ""))
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)

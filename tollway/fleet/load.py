@@ -1,0 +1,46 @@
+"""What a replica reports to the router: its load per lane, read on its engine thread
+between steps so the numbers agree with one another."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tollway.config import TIERS
+
+
+@dataclass
+class ReplicaLoad:
+    running: dict[str, int]  # per tier
+    waiting: dict[str, int]  # per tier, including preempted requests
+    free_blocks: int  # KV blocks free (evictable prefix-cache blocks count as free)
+    num_blocks: int
+    # Prompt tokens still to prefill plus output tokens still allowed (max_tokens) over every
+    # unfinished request: the work queued on this replica, in tokens.
+    outstanding_tokens: int
+    fast_slots: int  # sequence slots reserved for the fast lane
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, engine) -> ReplicaLoad:
+        """Call on the engine thread (AsyncEngine.run)."""
+        sched = engine.scheduler
+        outstanding = 0
+        for rid in sched.request_ids():
+            r = sched.get(rid)
+            outstanding += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
+            outstanding += max(0, r.params.max_tokens - len(r.output_token_ids))
+        return cls({t: sched.running_in(t) for t in TIERS}, {t: len(sched.waiting[t]) for t in TIERS},
+                   sched.pool.num_free, sched.pool.num_blocks, outstanding,
+                   sched.config.reserved("seq", "fast"), sched.config.max_num_seqs)
+
+    @property
+    def fast_busy(self) -> int:
+        return self.running["fast"] + self.waiting["fast"]
+
+    @property
+    def spare_slots(self) -> int:
+        """Sequence slots no lane is using or waiting for, past the fast lane's unused reserve:
+        where batch work can run without delaying anyone."""
+        if self.waiting["standard"] or self.waiting["fast"]:
+            return 0
+        unused_fast = max(0, self.fast_slots - self.running["fast"])
+        return self.max_num_seqs - sum(self.running.values()) - self.waiting["batch"] - unused_fast

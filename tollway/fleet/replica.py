@@ -1,0 +1,149 @@
+"""One replica: one engine (one model copy, its own scheduler and lanes) and the whole tollway
+API over it (create_app: keys, the meter and its ledger, budgets, /metrics), listening on its
+own port. fleet.py runs each in a Ray actor.
+
+The router may take back what a replica has queued (drain, shed). So a request's add() here
+returns only once the engine has run it and produced its first output: until then it can be
+refused with ReplicaDraining, a QueueFullError, which the handler answers before any engine
+work is recorded (a 429 queue_full, no ledger row) and the router sends elsewhere.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tollway.config import EngineConfig, ServerConfig
+from tollway.fleet.load import ReplicaLoad
+from tollway.outputs import RequestOutput
+from tollway.request import SamplingParams
+from tollway.scheduler.scheduler import QueueFullError
+
+
+class ReplicaDraining(QueueFullError):
+    """Refused: this replica is draining, and the request had not started."""
+
+    def __init__(self, tier: str):
+        super().__init__(tier, 0)
+        self.args = ("this replica is draining; the request goes to another",)
+
+
+class _Started:
+    """A request's stream whose first output was already read (to know it had started)."""
+
+    def __init__(self, stream: RequestStream, first: RequestOutput):
+        self.stream, self._first = stream, first
+        self.request_id = stream.request_id
+
+    def __aiter__(self) -> _Started:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        return await self.stream.__anext__()
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    async def __aenter__(self) -> _Started:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+class ReplicaEngine(AsyncEngine):
+    """An AsyncEngine whose queued requests can be shed."""
+
+    draining = False
+
+    async def add(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
+                  request_id: str | None = None) -> _Started:
+        if self.draining:
+            raise ReplicaDraining(tier)
+        stream = await super().add(prompt, params, tier, request_id)
+        try:
+            first = await stream.__anext__()
+        except EngineDeadError as e:
+            if isinstance(e.__cause__, ReplicaDraining):
+                raise e.__cause__ from None
+            raise
+        except BaseException:  # the caller went away while it was queued
+            stream.abort()
+            raise
+        return _Started(stream, first)
+
+    def shed(self) -> int:
+        """Take no more requests, and refuse every queued one that has not started (never
+        run; preempted ones have, and stay). Returns how many were refused."""
+        self.draining = True
+
+        def refuse(engine) -> int:
+            queued = [r for q in engine.scheduler.waiting.values() for r in q
+                      if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
+            for r in queued:
+                engine.abort(r.request_id)
+                self._deliver(r.request_id, ReplicaDraining(r.tier), last=True)
+            return len(queued)
+
+        return self.run(refuse).result()
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica is built from. `build(server, config)` returns the gatekeeper, meter
+    and Batch API store a server process needs, made as `tollway serve` makes them; it runs in
+    each replica (a module-level function: Ray sends it by name)."""
+
+    model_name: str
+    config: EngineConfig
+    server: ServerConfig
+    build: Callable
+
+
+class Replica:
+    """The Ray actor's class (fleet.py applies ray.remote to it)."""
+
+    def __init__(self, spec: ReplicaSpec, batch_home: bool, host: str | None):
+        """`host`: the address to listen on; None: this node's, as Ray knows it (for a cluster)."""
+        import ray
+        import uvicorn
+
+        from tollway.engine import Engine
+        from tollway.server.app import create_app
+        from tollway.server.metrics import Metrics
+
+        metrics = Metrics(spec.model_name)
+        gatekeeper, meter, batch_store = spec.build(spec.server, spec.config)
+        self.engine = ReplicaEngine(Engine(spec.config, progress=False), on_step=metrics.on_step)
+        # One replica runs the Batch API: its runner owns the jobs.
+        app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store if batch_home else None, meter)
+        host = host or ray.util.get_node_ip_address()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica's HTTP server did not start")
+            time.sleep(0.05)
+
+    def address(self) -> str:
+        return self.url
+
+    def load(self) -> ReplicaLoad:
+        return self.engine.run(ReplicaLoad.of).result(timeout=60)
+
+    def shed(self) -> int:
+        return self.engine.shed()
+
+    def resume(self) -> None:
+        self.engine.draining = False
