@@ -124,8 +124,9 @@ def test_cli_reads_the_fleets_postgres_ledger(postgres, capsys):
     ("postgresql://tollway:s3cret@127.0.0.1:1/x", "cannot use the database postgresql://tollway:***@127.0.0.1:1/x: "),
     ("mysql://localhost/x", "a database URL must be postgresql://..., got 'mysql://localhost/x'"),
 ])
-def test_a_bad_database_url_is_one_line(url, message, capsys):
-    assert main(["usage", "--database-url", url]) == 2
+@pytest.mark.parametrize("command", [["usage"], ["keys", "list"], ["serve", "--kernel", "int8"]])
+def test_a_bad_database_url_is_one_line(command, url, message, capsys):
+    assert main([*command, "--database-url", url]) == 2  # serve: before it loads the model
     err = capsys.readouterr().err
     assert err.startswith(f"tollway: error: {message}") and err.count("\n") == 1 and "s3cret" not in err
 
