@@ -33,6 +33,7 @@ from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
+from tollway.scheduler.step_model import StepTimeModel  # noqa: E402
 from tollway.sim.engine_run import run_on_engine  # noqa: E402
 from tollway.sim.machine_profile import MachineProfile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
@@ -53,6 +54,9 @@ def measure_real(s: dict, saved: Path) -> None:
     started = time.perf_counter()
     profile = measure(engine, Grid(**s["grid"]) if s["grid"] else Grid())
     profile_seconds = time.perf_counter() - started
+    # Both sides plan from the model fitted to this profile (the engine's start-up profile is a
+    # subset of it) and refit from their own steps: the check is of the simulated dynamics.
+    engine.step_model = engine.scheduler.step_model = StepTimeModel.fit(profile.shapes())
     workload, load, limits = _workload(s)
     real = stage_dict(run_on_engine(engine, workload, load, limits), SLO({}), None)
     saved.parent.mkdir(parents=True, exist_ok=True)
