@@ -34,6 +34,7 @@ FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
 HEADROOM_EVERY = 16
+REBUILD_SUMS_EVERY = 4096  # rows added or removed between exact rebuilds of the refit's sums
 
 
 class StepShape(NamedTuple):
@@ -104,6 +105,11 @@ class StepTimeModel:
         self._window: dict[str, deque[tuple[tuple[float, ...], float]]] = {
             k: deque(maxlen=window) for k in coefficients}
         self._base: dict[str, list[tuple[tuple[float, ...], float]]] = {k: [] for k in coefficients}
+        # The normal equations of base + window, kept as rows come and go, so that a refit
+        # solves a 5x5 system instead of re-reading hundreds of rows: the engine refits every
+        # 16 steps, and the simulator as often for each replica it runs.
+        self._sums: dict[str, _Sums] = {k: _Sums() for k in coefficients}
+        self._rows_summed = 0  # since the sums were last rebuilt exactly
         self._since_refit = 0
         # (predicted, measured / predicted) of the latest steps, per kernel
         self._overruns: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in coefficients}
@@ -127,6 +133,7 @@ class StepTimeModel:
         # all look alike and leave some directions unconstrained.
         model._base = {k: [row for row in rows if _relative_residual(fitted[k], row) <= 1.0]
                        for k, rows in by_kernel.items()}
+        model._rebuild_sums()
         return model
 
     def predict(self, shape: StepShape, kernel: str | None = None) -> float:
@@ -148,7 +155,12 @@ class StepTimeModel:
         if predicted > 0:
             self._overruns[shape.kernel].append((predicted, seconds / predicted))
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
-        self._window[shape.kernel].append((shape.features(), seconds))
+        window, sums, row = self._window[shape.kernel], self._sums[shape.kernel], (shape.features(), seconds)
+        if len(window) == window.maxlen:
+            sums.add(window[0], -1.0)  # about to drop out of the window
+        window.append(row)
+        sums.add(row, 1.0)
+        self._rows_summed += 1
         self._observed += 1
         if self._observed % HEADROOM_EVERY == 0:
             self._headroom.clear()
@@ -182,10 +194,15 @@ class StepTimeModel:
 
     def refit(self) -> None:
         self._since_refit = 0
+        if self._rows_summed >= REBUILD_SUMS_EVERY:  # bound the rounding that adding and removing leaves
+            self._rebuild_sums()
         for kernel, rows in self._window.items():
             if rows:
-                data = self._base[kernel] + list(rows)
-                self.coefficients[kernel] = _solve(data, self.prior[kernel], self.prior_weight)
+                self.coefficients[kernel] = _solve(self._sums[kernel], self.prior[kernel], self.prior_weight)
+
+    def _rebuild_sums(self) -> None:
+        self._sums = {k: _Sums.of(self._base[k] + list(self._window[k])) for k in self.coefficients}
+        self._rows_summed = 0
 
     def to_dict(self) -> dict:
         return {"features": list(FEATURES), "coefficients": {k: list(c) for k, c in self.coefficients.items()},
@@ -196,11 +213,11 @@ class StepTimeModel:
 def _robust_solve(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
     """Fit, then refit without samples far off the fit: a profile step that ran while something
     else had the CPU can take several times its usual time."""
-    c = _solve(rows, prior=None, prior_weight=0.0)
+    c = _solve(_Sums.of(rows), prior=None, prior_weight=0.0)
     residuals = [_relative_residual(c, row) for row in rows]
     cut = max(0.25, 4 * sorted(residuals)[len(residuals) // 2])
     kept = [row for row, r in zip(rows, residuals) if r <= cut]
-    return _solve(kept, prior=None, prior_weight=0.0) if len(kept) < len(rows) else c
+    return _solve(_Sums.of(kept), prior=None, prior_weight=0.0) if len(kept) < len(rows) else c
 
 
 def _relative_residual(c: list[float], row: tuple[tuple[float, ...], float]) -> float:
@@ -212,14 +229,47 @@ def _valid(seconds: float) -> bool:
     return math.isfinite(seconds) and seconds > 0
 
 
-def _solve(rows: list[tuple[tuple[float, ...], float]], prior: list[float] | None, prior_weight: float) -> list[float]:
+class _Sums:
+    """Weighted least squares on relative error, as sums over rows (x, y): A = sum w x x^T,
+    b = sum w x y with w = 1/y^2, and sum |x_j / y| (each feature's typical size, for the
+    ridge's units). Rows can be added and taken away."""
+
+    def __init__(self):
+        n = len(FEATURES)
+        self.a = [[0.0] * n for _ in range(n)]
+        self.b = [0.0] * n
+        self.scale = [0.0] * n
+        self.count = 0
+
+    @classmethod
+    def of(cls, rows: list[tuple[tuple[float, ...], float]]) -> _Sums:
+        sums = cls()
+        for row in rows:
+            sums.add(row, 1.0)
+        return sums
+
+    def add(self, row: tuple[tuple[float, ...], float], sign: float) -> None:
+        x, y = row
+        w = sign / (y * y) if y > 0 else sign
+        n = len(x)
+        for i in range(n):
+            wx = w * x[i]
+            self.scale[i] += sign * abs(x[i]) / max(y, 1e-9)
+            self.b[i] += wx * y
+            a = self.a[i]
+            for j in range(n):
+                a[j] += wx * x[j]
+        self.count += int(sign)
+
+
+def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[float]:
     """Non-negative weighted least squares with relative weights (1/y^2), plus a ridge pull
     towards `prior` scaled to each feature's typical size. Features whose coefficient would go
     negative are dropped and the rest refit: no step gets cheaper by adding work to it."""
     n = len(FEATURES)
     active = [True] * n
     while True:
-        solution = _normal_equations(rows, prior, prior_weight, active)
+        solution = _normal_equations(sums, prior, prior_weight, active)
         negative = [j for j in range(n) if active[j] and solution[j] < 0]
         if not negative:
             return solution
@@ -227,20 +277,13 @@ def _solve(rows: list[tuple[tuple[float, ...], float]], prior: list[float] | Non
             active[j] = False
 
 
-def _normal_equations(rows, prior, prior_weight, active) -> list[float]:
+def _normal_equations(sums: _Sums, prior, prior_weight, active) -> list[float]:
     n = len(FEATURES)
-    a = [[0.0] * n for _ in range(n)]
-    b = [0.0] * n
-    scale = [0.0] * n  # mean |x_j / y|: a coefficient's pull on relative error, for the ridge's units
-    for x, y in rows:
-        w = 1.0 / (y * y) if y > 0 else 1.0
-        for i in range(n):
-            scale[i] += abs(x[i]) / max(y, 1e-9) / len(rows)
-            b[i] += w * x[i] * y
-            for j in range(n):
-                a[i][j] += w * x[i] * x[j]
+    a = [row[:] for row in sums.a]
+    b = sums.b[:]
     for i in range(n):
-        lam = prior_weight * max(scale[i], 1e-6) ** 2 if prior is not None else 1e-9 * (a[i][i] or 1.0)
+        scale = sums.scale[i] / sums.count if sums.count else 0.0  # mean |x_i / y|
+        lam = prior_weight * max(scale, 1e-6) ** 2 if prior is not None else 1e-9 * (a[i][i] or 1.0)
         a[i][i] += lam
         b[i] += lam * (prior[i] if prior is not None else 0.0)
         if not active[i]:  # pin to zero
