@@ -82,6 +82,8 @@ def test_alerts_fire_once_each_the_cap_refuses_and_the_next_period_restores(stor
     restarted.reserve("r7", "alice", [], 0.6)
     restarted.settle(spend("r7", 0.6, created=now[0]))
     assert [a["threshold"] for a in receiver.wait_for(4)] == [0.5, 0.8, 1.0, 0.5]
+    budgets.close()
+    restarted.close()
     webhook.close()
 
 
@@ -106,6 +108,7 @@ def test_holds_count_until_their_request_settles_or_is_released(store_target):
     budgets.reserve("r2", "alice", [], 0.6)
     budgets.settle(spend("r2", 0.5, created=time.time()))  # ended early: billed less than held
     budgets.reserve("r3", "alice", [], 0.5)  # 0.5 spent, nothing else held
+    budgets.close()  # r3 is still held: stop its renewals before the database goes
 
 
 def test_a_dead_servers_holds_lapse_and_a_live_one_keeps_them(store_target):
@@ -124,6 +127,8 @@ def test_a_dead_servers_holds_lapse_and_a_live_one_keeps_them(store_target):
     later.reserve("x", "alice", [], 0.6)  # the dead server's 0.5 lapsed; the live one's 0.4 did not
     with pytest.raises(BudgetExceeded, match="held by requests in flight"):
         later.reserve("y", "alice", [], 0.01)
+    alive.close()
+    later.close()
 
 
 PRICE = 0.125  # exact in binary: the sums below are exact too
@@ -163,6 +168,8 @@ def test_two_servers_spending_at_once_never_pass_the_cap(store_target):
     assert len(rows) == ADMITTED and sum(r.price for r in rows) == ADMITTED * PRICE
     assert [b["spent"] for b in servers[0].burn()] == [ADMITTED * PRICE]
     assert ledger.database.query("SELECT COUNT(*) FROM budget_holds") == [(0,)]
+    for budgets in servers:
+        budgets.close()
 
 
 def test_webhook_retries_until_delivered():

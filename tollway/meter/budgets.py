@@ -202,8 +202,8 @@ class Budgets:
             if holding:
                 try:
                     self.renew()
-                except Exception:  # noqa: BLE001 -- the database is away: try again next round
-                    _log.exception("could not renew budget holds")
+                except Exception as e:  # noqa: BLE001 -- the database is away: try again next round
+                    _log.warning("could not renew budget holds (retrying in %d s): %s", _RENEW_EVERY, e)
 
     def _alert(self, spec: BudgetSpec, start: float, threshold: float, spent: float) -> None:
         scope, name = spec.scope
