@@ -67,8 +67,6 @@ class _Step:
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
         self.shape = StepShape("")
-        # fits()' latest: the work it tried, the step it tried it on, and the step with it.
-        self._tried: tuple[tuple[int, int, int], StepShape, StepShape] = ((-1, 0, 0), self.shape, self.shape)
 
     def predict(self, shape: StepShape) -> float:
         return self.sched.fastest(shape, self.headroom)[1]
@@ -108,19 +106,13 @@ class _Step:
         """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
         if self.seconds is None:
             return True
-        shape = self.shape.plus(start, n, logit_rows)
-        self._tried = ((start, n, logit_rows), self.shape, shape)
-        kernel, seconds = self.sched.fastest(shape, self.headroom)
+        kernel, seconds = self.sched.fastest(self.shape.plus(start, n, logit_rows), self.headroom)
         return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
         self.tokens_left -= seq.num_new
-        work, base, tried = self._tried
-        # Usually the shape fits() just tried for this very work on this very step (a decode
-        # tries one); reused, as this runs per sequence.
-        same = base is self.shape and work == (seq.start_pos, seq.num_new, seq.num_logit_rows)
-        self.shape = tried if same else self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
+        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
 
 
 class Scheduler:

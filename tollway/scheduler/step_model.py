@@ -34,7 +34,7 @@ FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
 HEADROOM_EVERY = 16
-REBUILD_SUMS_EVERY = 4096  # rows added or removed between exact rebuilds of the refit's sums
+REBUILD_SUMS_EVERY = 4096  # steps observed between exact rebuilds of the refit's sums
 
 
 class StepShape(NamedTuple):
@@ -109,7 +109,6 @@ class StepTimeModel:
         # solves a 5x5 system instead of re-reading hundreds of rows: the engine refits every
         # 16 steps, and the simulator as often for each replica it runs.
         self._sums: dict[str, _Sums] = {k: _Sums() for k in coefficients}
-        self._rows_summed = 0  # since the sums were last rebuilt exactly
         self._since_refit = 0
         # (predicted, measured / predicted) of the latest steps, per kernel
         self._overruns: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in coefficients}
@@ -160,8 +159,9 @@ class StepTimeModel:
             sums.add(window[0], -1.0)  # about to drop out of the window
         window.append(row)
         sums.add(row, 1.0)
-        self._rows_summed += 1
         self._observed += 1
+        if self._observed % REBUILD_SUMS_EVERY == 0:  # bound the rounding that adding and removing leaves
+            self._rebuild_sums()
         if self._observed % HEADROOM_EVERY == 0:
             self._headroom.clear()
         self._since_refit += 1
@@ -194,15 +194,12 @@ class StepTimeModel:
 
     def refit(self) -> None:
         self._since_refit = 0
-        if self._rows_summed >= REBUILD_SUMS_EVERY:  # bound the rounding that adding and removing leaves
-            self._rebuild_sums()
         for kernel, rows in self._window.items():
             if rows:
                 self.coefficients[kernel] = _solve(self._sums[kernel], self.prior[kernel], self.prior_weight)
 
     def _rebuild_sums(self) -> None:
         self._sums = {k: _Sums.of(self._base[k] + list(self._window[k])) for k in self.coefficients}
-        self._rows_summed = 0
 
     def to_dict(self) -> dict:
         return {"features": list(FEATURES), "coefficients": {k: list(c) for k, c in self.coefficients.items()},
