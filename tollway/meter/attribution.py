@@ -15,17 +15,37 @@ the whole step: attributed cost is conserved.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tollway.scheduler.plan import StepPlan
 
 READINESS = "(fast lane readiness)"  # not a request id: the capacity a ready fast lane held idle
 
 
+class Shares(NamedTuple):
+    """A step's cost: per request id (or READINESS), and per unit of marginal work for the
+    plan's coasting decodes (the simulator charges those over their whole coast at once)."""
+
+    by_request: dict[str, float]
+    rate: float  # cost per unit of a coasting decode's marginal work, outside the fast lane
+    fast_rate: float  # the same in the fast lane's coasting group
+
+
 def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float) -> dict[str, float]:
     """request id (or READINESS) -> cost of this step, summing to seconds * price_per_second.
     `coefficients`: the step model's, for the plan's kernel (fixed first)."""
+    return shares(plan, seconds, coefficients, price_per_second).by_request
+
+
+def decode_work(coefficients: list[float], count: int, pairs: int) -> float:
+    """Marginal work of `count` single-token decodes reading `pairs` query-key pairs in all."""
+    _, per_token, per_row, per_pair, _ = coefficients
+    return (per_token + per_row) * count + per_pair * pairs / 1000
+
+
+def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float) -> Shares:
+    """attribute(), with the rates its coasting groups pay: together all add up to the step."""
     total = seconds * price_per_second
-    if not plan.seqs:
-        return {}
     fixed, per_token, per_row, per_pair, per_chunk = coefficients
     marginal = {}
     for s in plan.seqs:  # the step model's features of this sequence alone (StepShape.plus), unrounded
@@ -33,18 +53,28 @@ def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_p
         pairs = n * s.start_pos + n * (n + 1) // 2
         marginal[s.request_id] = (per_token * n + per_row * s.num_logit_rows + per_pair * pairs / 1000
                                   + per_chunk * (n > 1))
-    work = sum(marginal.values())
-    if work <= 0:  # a model that sees no work: split evenly
-        return {rid: total / len(marginal) for rid in marginal}
+    coasting = {fast: sum(decode_work(coefficients, g.count, g.pairs) for g in plan.coasting if g.fast == fast)
+                for fast in (False, True)}
+    num_seqs = len(marginal) + sum(g.count for g in plan.coasting)
+    if not num_seqs:
+        return Shares({}, 0.0, 0.0)
+    work = sum(marginal.values()) + coasting[False] + coasting[True]
+    if work <= 0:  # a model that sees no work: split evenly (coasting decodes need work to share by)
+        return Shares({rid: total / len(marginal) for rid in marginal}, 0.0, 0.0)
     fast = {s.request_id for s in plan.seqs if s.tier == "fast"}
-    if plan.capped_by != "fast" or len(fast) == len(marginal):
-        return {rid: total * m / work for rid, m in marginal.items()}
+    num_fast = len(fast) + sum(g.count for g in plan.coasting if g.fast)
+    if plan.capped_by != "fast" or num_fast == num_seqs:
+        rate = total / work
+        return Shares({rid: rate * m for rid, m in marginal.items()}, rate, rate)
     # Capped by the fast lane: the others pay their marginal work at the model's rate for this
     # step; the fast requests pay the rest, in proportion to their own work.
-    others = {rid: total * m / (fixed + work) for rid, m in marginal.items() if rid not in fast}
-    rest = total - sum(others.values())
-    if not fast:
-        return {**others, READINESS: rest}
-    fast_work = sum(marginal[rid] for rid in fast)
-    charged = {rid: rest * (marginal[rid] / fast_work if fast_work > 0 else 1 / len(fast)) for rid in fast}
-    return {**others, **charged}
+    rate = total / (fixed + work)
+    others = {rid: rate * m for rid, m in marginal.items() if rid not in fast}
+    rest = total - sum(others.values()) - rate * coasting[False]
+    if not num_fast:
+        return Shares({**others, READINESS: rest}, rate, 0.0)
+    fast_work = sum(marginal[rid] for rid in fast) + coasting[True]
+    if fast_work <= 0:
+        return Shares({**others, **{rid: rest / max(1, len(fast)) for rid in fast}}, rate, 0.0)
+    fast_rate = rest / fast_work
+    return Shares({**others, **{rid: fast_rate * marginal[rid] for rid in fast}}, rate, fast_rate)

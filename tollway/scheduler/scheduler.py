@@ -23,6 +23,7 @@ from typing import NamedTuple
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
+from tollway.scheduler.coasting import Coaster, Coasting, CoastStep
 from tollway.scheduler.deadlines import Deadlines
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
@@ -66,6 +67,8 @@ class _Step:
         self.headroom = {k: model.headroom(k, target.quantile, near=target.seconds) for k in model.coefficients} if target else {}
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
+        self.coasting: list[CoastStep] = []  # groups of coasting decodes, taken whole
+        self.num_seqs = 0
         self.shape = StepShape("")
 
     def predict(self, shape: StepShape) -> float:
@@ -83,7 +86,7 @@ class _Step:
         all it can while no fast request decodes (its time to first token is what counts then);
         so does the step's first sequence."""
         n = min(remaining, self.tokens_left)
-        if n <= 0 or len(self.seqs) >= self.sched.config.max_num_seqs:
+        if n <= 0 or self.num_seqs >= self.sched.config.max_num_seqs:
             return 0
         if self.seconds is None or (must and not self.fast_decoding):
             return n
@@ -98,28 +101,41 @@ class _Step:
         # A fast request, and the first sequence of a step, get a block's worth past the
         # budget: fast is never starved, and a step that nothing fits would run empty forever
         # (waiting shrinks no step), while the work it turned away never ran.
-        if must or not self.seqs:
+        if must or not self.num_seqs:
             lo = max(lo, min(n, self.sched.pool.block_size))
         return lo
 
     def fits(self, start: int, n: int, logit_rows: int) -> bool:
         """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
+        return self.shape_fits(self.shape.plus(start, n, logit_rows))
+
+    def shape_fits(self, shape: StepShape) -> bool:
         if self.seconds is None:
             return True
-        kernel, seconds = self.sched.fastest(self.shape.plus(start, n, logit_rows), self.headroom)
+        kernel, seconds = self.sched.fastest(shape, self.headroom)
         return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
+        self.num_seqs += 1
         self.tokens_left -= seq.num_new
         self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
+
+    def add_coasting(self, group: CoastStep) -> None:
+        self.coasting.append(group)
+        self.num_seqs += group.count
+        self.tokens_left -= group.count
+        self.shape = self.shape.with_decodes(group.count, group.pairs)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, step_model: StepTimeModel | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, coasting: Coasting | None = None):
         """`step_model` shapes steps under the lanes policy (without one, only token budgets
-        apply); `clock` stamps request times (the simulator passes its own)."""
+        apply); `clock` stamps request times (the simulator passes its own). `coasting` (the
+        simulator's) lets plain decodes coast (see coasting.py): plans then carry them as
+        groups, which no runner reads, so the engine never passes one. The priority policy
+        sorts all running requests as one list and does not coast."""
         config.validate()
         if config.kernel == "auto" and config.int8_max_tokens is None:
             raise ValueError("kernel='auto' needs int8_max_tokens: measure it (the engine does at first start) or set it")
@@ -140,6 +156,11 @@ class Scheduler:
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
+        self._coasting = coasting if config.policy != "priority" else None
+        # The running requests planned one by one: all of them, unless some coast.
+        self._stepping: dict[str, Request] = {} if self._coasting else self.running
+        self._groups_taken: list[str] = []  # coasting groups in the plan being made
+        self._woken: dict[str, list[Request]] = {}  # coasters woken to be preemptible, by group, this plan
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._arrival: dict[str, int] = {}
         self._admitted: dict[str, int] = {}  # rid -> admission counter (newest is largest)
@@ -196,6 +217,9 @@ class Scheduler:
         its blocks. Returns it, or None if no unfinished request has this id."""
         request = self._requests.get(request_id)
         if request is not None:
+            coaster = self._coasting.members.get(request_id) if self._coasting else None
+            if coaster is not None:  # up to the last committed step
+                self._wake(coaster, self._step_id - (self._in_flight is not None))
             self._finish(request, reason)
         return request
 
@@ -203,7 +227,8 @@ class Scheduler:
         return self.finish(request_id, "abort")
 
     def get(self, request_id: str) -> Request | None:
-        """An unfinished request by id (finished ones are forgotten)."""
+        """An unfinished request by id (finished ones are forgotten). A coasting request's
+        tokens and counters lag until it stops coasting."""
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
@@ -270,12 +295,18 @@ class Scheduler:
         self._in_flight = {}
         self._decode_shape = None  # the running requests' decode step, for _may_admit_decode
         now = self.clock()
-        fast_decoding = any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self.running.values())
+        self._groups_taken, self._woken = [], {}
+        if self._coasting:
+            for coaster in self._coasting.due(now):
+                self._wake(coaster, self._step_id - 1)
+        fast_coasting = self._coasting is not None and self.policy == "lanes" and self._coasting.group("fast").count
+        fast_decoding = bool(fast_coasting) or any(
+            r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self._stepping.values())
         step = _Step(self, self._time_target(now), fast_decoding)
         preempted: list[str] = []
-        for kind, requests in self._phases(now):
+        for kind, requests, group in self._phases(now):
             if kind == "run":
-                for request in requests:
+                for request in self._with_coasting(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
                         self._continue(request, step, preempted)
             # Admitting right after preempting would only hand the freed blocks to a newcomer
@@ -283,9 +314,9 @@ class Scheduler:
             elif kind == "admit fast" or not preempted:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel, predicted = self.fastest(step.shape, step.headroom)
-        predicted = predicted if self.step_model and step.seqs else None
+        predicted = predicted if self.step_model and step.num_seqs else None
         return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
-                        step.lane if step.capped else None)
+                        step.lane if step.capped else None, tuple(step.coasting))
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
@@ -293,7 +324,7 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if plan.step_id != self._step_id or self._in_flight is None:
             raise ValueError(f"step {plan.step_id} is not the latest uncommitted plan")
-        if self.step_model is not None and plan.seqs:
+        if self.step_model is not None and plan.num_seqs:
             self.step_model.observe(plan.shape, result.seconds)
         bs = self.pool.block_size
         now = self.clock()
@@ -331,7 +362,140 @@ class Scheduler:
                 self._finish(request, reason)
             changed.append(request)
         self._in_flight = None
+        if self._coasting:
+            self._commit_coasting(plan.step_id, changed, now)
         return changed
+
+    # ---- coasting (see coasting.py) -------------------------------------------------------
+
+    def _commit_coasting(self, step_id: int, changed: list[Request], now: float) -> None:
+        """Coasters whose last token came in this step finish (and join `changed`); requests
+        that got a token and now decode plainly start coasting."""
+        starting = [r for r in changed if r.state is RequestState.RUNNING and self._may_coast(r, now)]
+        for coaster in self._coasting.finishing(step_id):
+            self._wake(coaster, step_id)
+            self._finish(coaster.request, "length")
+            changed.append(coaster.request)
+        for request in starting:
+            rid = request.request_id
+            left = min(request.params.max_tokens - len(request.output_token_ids),
+                       self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
+            del self._stepping[rid]
+            self._coasting.start(request, self._coast_group(request), step_id, self._admitted[rid], step_id + left,
+                                 len(self.pool.table(rid)) * self.pool.block_size - request.num_computed_tokens + step_id + 1,
+                                 self._due(request) if self.policy == "lanes" else None)
+
+    def _coast_group(self, request: Request) -> str:
+        """The run phase that takes the request: its lane's under lanes; fcfs has one."""
+        return request.tier if self.policy == "lanes" else "all"
+
+    def _may_coast(self, request: Request, now: float) -> bool:
+        """Whether every step until its last token would plan it as one plain decode, as far as
+        the request itself goes: no stop but its length, no banned tokens, nothing to report
+        per token, no drafts, not a batch request that has fallen due."""
+        params = request.params
+        if request.num_computed_tokens != request.num_tokens - 1 or not request.output_token_ids:
+            return False
+        if params.stop or params.stop_token_ids or not params.ignore_eos or params.logprobs is not None:
+            return False
+        if len(request.output_token_ids) < params.min_tokens:
+            return False
+        if self.policy == "lanes" and request.tier == "fast" and self.config.speculative_tokens:
+            return False
+        return not (self.policy == "lanes" and self._is_due(request, now))
+
+    def _wake(self, coaster: Coaster, last_step: int) -> Request:
+        """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
+        one by one from here."""
+        request = coaster.request
+        rid = request.request_id
+        self._coasting.stop(rid)
+        steps = last_step - coaster.anchor
+        if steps > 0:
+            request.output_token_ids.extend(self._coasting.tokens(steps))
+            request.num_computed_tokens = coaster.computed + steps
+            bs = self.pool.block_size
+            if coaster.computed // bs != request.num_computed_tokens // bs:
+                self.pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
+            self._last_step[rid] = last_step
+            if self._coasting.on_end:
+                self._coasting.on_end(request, coaster.anchor + 1, last_step, coaster.offset)
+        self._stepping[rid] = request
+        return request
+
+    def _wake_group(self, name: str) -> list[Request]:
+        return [self._wake(c, self._step_id - 1) for c in list(self._coasting.members.values()) if c.group == name]
+
+    def _with_coasting(self, requests: list[Request], group: str | None, step: _Step) -> Iterable[Request]:
+        """A run phase's requests to plan one by one, in order; where the phase's coasting group
+        falls in that order, the group is taken whole if every check would pass for each member,
+        else woken and planned with the rest."""
+        coasters = self._coasting.groups.get(group) if self._coasting and group else None
+        if coasters is None:
+            yield from requests
+            return
+        if group in self._woken:  # woken earlier in this step (to be preempted, or not)
+            requests = sorted(requests + self._woken.pop(group), key=self._turn_of)
+        if coasters.count:
+            last = self._step_id - 1  # every coaster ran in the last step
+            lo, hi = self._turn(last, coasters.min_admitted), self._turn(last, coasters.max_admitted)
+            before = [r for r in requests if self._turn_of(r) < lo]
+            after = [r for r in requests if self._turn_of(r) > hi]
+            if len(before) + len(after) == len(requests):  # no stepping request's turn falls among the group's
+                yield from before
+                if coasters.count and self._take_coasting(group, coasters, step):
+                    yield from after
+                    return
+                requests = after
+            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self._turn_of)
+        yield from requests
+
+    def _take_coasting(self, name: str, coasters, step: _Step) -> bool:
+        """Add a coasting group to the step if each member would be planned as one decode in
+        turn: the token budget, the sequence cap and the time target allow them all (time grows
+        with every feature, so the whole group fitting means each did in turn), and the blocks
+        the members' next tokens need are there without preempting anyone."""
+        t, n = self._step_id, coasters.count
+        pairs = coasters.pairs_at(t)
+        if step.tokens_left < n or step.num_seqs + n > self.config.max_num_seqs:
+            return False
+        if step.seconds is not None:
+            if any(c < 0 for cs in self.step_model.coefficients.values() for c in cs):
+                return False  # time would not grow with work: the group's sum proves nothing
+            must = self.policy == "lanes" and name == "fast"  # fast always runs; a miss caps the step
+            if not step.shape_fits(step.shape.with_decodes(n, pairs)):
+                if not must:
+                    return False
+                step.capped = True
+        needing = self._coasting.needing_blocks(coasters, t)
+        bs = self.pool.block_size
+        need = sum(self.pool.blocks_for(c.offset + t + 1) - len(self.pool.table(c.request.request_id)) for c in needing)
+        if need and need > self.pool.num_free - max(self._reserve_against(tier) for tier in self.tiers):
+            for c in needing:
+                self._coasting.need_block(coasters, c, t)
+            return False
+        for c in needing:
+            self._allocate(c.request, c.offset + t + 1)
+            self._coasting.need_block(coasters, c, len(self.pool.table(c.request.request_id)) * bs - c.offset)
+        step.add_coasting(CoastStep(name, n, pairs, name == "fast"))
+        self._groups_taken.append(name)
+        return True
+
+    def _turn(self, last_step: int, admitted: int) -> tuple[int, ...]:
+        return (last_step, admitted) if self.policy == "lanes" else (admitted,)
+
+    def _turn_of(self, request: Request) -> tuple[int, ...]:
+        """A running request's place in its run phase: lanes runs the longest-skipped first,
+        then by admission; fcfs by admission."""
+        rid = request.request_id
+        return self._turn(self._last_step.get(rid, 0), self._admitted[rid])
+
+    def _wake_untaken(self) -> None:
+        """Coasting groups not in this step become preemption candidates, planned one by one
+        when their phase comes."""
+        for name, group in self._coasting.groups.items():
+            if group.count and name not in self._groups_taken:
+                self._woken.setdefault(name, []).extend(self._wake_group(name))
 
     # ---- policy -------------------------------------------------------------------------
 
@@ -353,40 +517,41 @@ class Scheduler:
             targets.append(TimeTarget(fast.ttft_target / 2, 0.97, "fast"))
         return min(targets) if targets else None
 
-    def _phases(self, now: float) -> Iterable[tuple[str, Iterable[Request]]]:
-        """What the step considers, in order: ("run", running requests to continue) and
-        ("admit", waiting requests in admission order; the first that does not fit stops it)."""
+    def _phases(self, now: float) -> Iterable[tuple[str, list[Request], str | None]]:
+        """What the step considers, in order: ("run", running requests to continue, the
+        coasting group it takes) and ("admit", waiting requests in admission order; the first
+        that does not fit stops it, None)."""
         if self.policy == "fcfs":
-            yield "run", list(self.running.values())
+            yield "run", sorted(self._stepping.values(), key=self._turn_of), "all"
             yield "admit", sorted((r for q in self.waiting.values() for r in q),
-                                  key=lambda r: self._arrival[r.request_id])
+                                  key=lambda r: self._arrival[r.request_id]), None
             return
         if self.policy == "priority":
             rank = {t: spec.priority for t, spec in self.tiers.items()}
-            yield "run", sorted(self.running.values(), key=lambda r: (rank[r.tier], self._admitted[r.request_id]))
+            yield "run", sorted(self.running.values(), key=lambda r: (rank[r.tier], self._admitted[r.request_id])), None
             yield "admit", sorted((r for q in self.waiting.values() for r in q),
-                                  key=lambda r: (rank[r.tier], self._arrival[r.request_id]))
+                                  key=lambda r: (rank[r.tier], self._arrival[r.request_id])), None
             return
         # lanes. Skipped requests go first next time, so a capped step rotates fairly.
         def by_turn(requests):
-            return sorted(requests, key=lambda r: (self._last_step.get(r.request_id, 0), self._admitted[r.request_id]))
+            return sorted(requests, key=self._turn_of)
 
-        running = list(self.running.values())
+        running = list(self._stepping.values())
         for rid in self._deadlines.pop_due(now):
             self._late[rid] = self._requests[rid]
         urgent = {r.request_id for r in running if self._is_due(r, now)}
         # No step admits more than max_num_seqs: look no further into a queue than that (an
         # overloaded server's queues are long, and this runs every step).
         cap = self.config.max_num_seqs
-        yield "run", by_turn(r for r in running if r.tier == "fast")
-        yield "admit fast", list(itertools.islice(self.waiting["fast"], cap))
-        yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent)
+        yield "run", by_turn(r for r in running if r.tier == "fast"), "fast"
+        yield "admit fast", list(itertools.islice(self.waiting["fast"], cap)), None
+        yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent), "standard"
         late_batch = sorted(self._late.values(), key=lambda r: r.arrival_time)
-        yield "admit", list(itertools.islice(itertools.chain(late_batch, self.waiting["standard"]), cap))
-        yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent)
+        yield "admit", list(itertools.islice(itertools.chain(late_batch, self.waiting["standard"]), cap)), None
+        yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent), "batch"
         if not self.waiting["standard"]:  # batch takes only what standard leaves
             on_time = (r for r in self.waiting["batch"] if r.request_id not in self._late)
-            yield "admit", list(itertools.islice(on_time, cap))
+            yield "admit", list(itertools.islice(on_time, cap)), None
 
     def _due(self, request: Request) -> float | None:
         """When a batch request's window is closing, from which on it runs as standard: when
@@ -416,7 +581,9 @@ class Scheduler:
     def _victims(self, request: Request) -> list[Request]:
         """Running requests `request` may preempt for room, first choice first; only ones not
         yet in this step's plan."""
-        others = [r for r in self.running.values() if r.request_id not in self._in_flight and r is not request]
+        if self._coasting:
+            self._wake_untaken()
+        others = [r for r in self._stepping.values() if r.request_id not in self._in_flight and r is not request]
         if self.policy == "fcfs":
             return sorted(others, key=lambda r: -self._admitted[r.request_id])
         rank = {t: spec.priority for t, spec in self.tiers.items()}
@@ -444,8 +611,12 @@ class Scheduler:
             return True
         if self._decode_shape is None:  # built once per plan, then grown with each admission
             self._decode_shape = StepShape("")
-            for r in self.running.values():
+            for r in self._stepping.values():
                 self._decode_shape = self._decode_shape.plus(r.num_tokens, 1, 1)
+            for group in self._coasting.groups.values() if self._coasting else ():
+                # a coaster's next decode starts at its position in this step + 1
+                self._decode_shape = self._decode_shape.with_decodes(
+                    group.count, group.pairs_at(self._step_id) + group.count)
         shape = self._decode_shape.plus(request.num_tokens, 1, 1)
         if self.fastest(shape)[1] > slo:
             return False
@@ -520,7 +691,7 @@ class Scheduler:
                 request.num_cached_prompt_tokens = cached
             request.num_computed_tokens = cached
             request.state = RequestState.RUNNING
-            self.running[rid] = request
+            self.running[rid] = self._stepping[rid] = request
             self._admitted[rid] = self._tick()
             self._num_running[request.tier] += 1
             step.add(self._schedule(request, n))
@@ -576,6 +747,7 @@ class Scheduler:
         rejoins the front of its queue, to be prefilled again from whatever is still cached."""
         rid = victim.request_id
         del self.running[rid]
+        self._stepping.pop(rid, None)
         self._num_running[victim.tier] -= 1
         self._release(victim)
         victim.state = RequestState.WAITING
@@ -597,6 +769,7 @@ class Scheduler:
         rid = request.request_id
         if request.state is RequestState.RUNNING:
             del self.running[rid]
+            self._stepping.pop(rid, None)
             self._num_running[request.tier] -= 1
         else:
             self.waiting[request.tier].remove(request)

@@ -54,7 +54,10 @@ class StepShape(NamedTuple):
             n = s.num_new
             tokens, sampled, chunks = tokens + n, sampled + s.num_logit_rows, chunks + (n > 1)
             pairs += n * s.start_pos + n * (n + 1) // 2
-        return cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
+        shape = cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
+        for group in plan.coasting:
+            shape = shape.with_decodes(group.count, group.pairs)
+        return shape
 
     def plus(self, start_pos: int, num_new: int, logit_rows: int) -> StepShape:
         """This step with one more sequence: num_new tokens at positions start_pos.., of which
@@ -62,6 +65,11 @@ class StepShape(NamedTuple):
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
         return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows),
                          self.attention + pairs / 1000, self.chunks + (num_new > 1))
+
+    def with_decodes(self, count: int, pairs: int) -> StepShape:
+        """This step with `count` more single-token decodes, reading `pairs` query-key pairs in all."""
+        return StepShape(self.kernel, self.tokens + count, self.sampled + count, self.attention + pairs / 1000,
+                         self.chunks)
 
     def features(self) -> tuple[float, ...]:
         group = ROW_GROUP.get(self.kernel, 1)

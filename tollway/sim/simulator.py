@@ -9,12 +9,17 @@ seconds a real one would be billed for. The output is a bench result: the same J
 report as a measured run.
 
 Prompts and outputs are random token ids: no prefix-cache hits, and no n-gram drafts for the
-fast lane (speculation is not simulated).
+fast lane (speculation is not simulated, so it is off).
+
+Plain decodes coast (scheduler/coasting.py): the scheduler carries them as groups, and this
+loop meters them and stamps their token times from each replica's StepLog when they stop. The
+results are those of planning every sequence in every step (`coast=False`), only faster.
 """
 from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import heapq
 import random
 import time
@@ -29,12 +34,14 @@ from tollway.bench.run import FORMAT, stage_dict
 from tollway.bench.stats import SLO
 from tollway.bench.workload import Workload, read_jsonl
 from tollway.config import SchedulerConfig
-from tollway.meter.attribution import READINESS, attribute
+from tollway.meter.attribution import READINESS, shares
 from tollway.request import Request, SamplingParams
+from tollway.scheduler.coasting import Coasting
 from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
 from tollway.scheduler.scheduler import QueueFullError, Scheduler
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
+from tollway.sim.step_log import StepLog
 
 _ARRIVAL, _STEP_DONE = 0, 1
 TOKEN_TIMES = 20_000
@@ -43,7 +50,8 @@ TOKEN_TIMES = 20_000
 @dataclass
 class Replica:
     index: int
-    scheduler: Scheduler
+    scheduler: Scheduler | None = None
+    log: StepLog = field(default_factory=StepLog)
     outstanding_tokens: int = 0  # prompt + max_tokens of its unfinished requests (for routing)
     in_flight: tuple[StepPlan, float] | None = None  # the running step and its runner seconds
     busy_seconds: float = 0.0
@@ -80,14 +88,17 @@ class _Stage:
 
 class Simulator:
     def __init__(self, config: SchedulerConfig, profile: MachineProfile, replicas: int = 1,
-                 routing: str = "least_outstanding", seed: int = 0, token_times: int = TOKEN_TIMES):
+                 routing: str = "least_outstanding", seed: int = 0, token_times: int = TOKEN_TIMES,
+                 coast: bool = True):
         """`token_times`: how many requests (the first ones) keep every token's time, from which
         inter-token latency is measured; the rest keep first and last. A million requests'
-        token times would be gigabytes, and ITL percentiles need far fewer."""
+        token times would be gigabytes, and ITL percentiles need far fewer. `coast=False`
+        plans every sequence in every step (the same results, slower: for checking)."""
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
         config.int8_max_tokens, config.dense_kernel = profile.int8_max_tokens, profile.dense_kernel
+        config.speculative_tokens = 0  # stand-in tokens never repeat: no draft would be found
         if profile.kv_tokens is not None:
             config.num_blocks = max(1, profile.kv_tokens // config.block_size)
         config.validate()
@@ -95,8 +106,10 @@ class Simulator:
         self.now = 0.0
         self.truth = profile.step_model(adaptive=False)
         clock = lambda: self.now  # noqa: E731
-        self.replicas = [Replica(i, Scheduler(copy.deepcopy(config), profile.step_model(), clock))
-                         for i in range(replicas)]
+        self.replicas = [Replica(i) for i in range(replicas)]
+        for replica in self.replicas:
+            coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica)) if coast else None
+            replica.scheduler = Scheduler(copy.deepcopy(config), profile.step_model(), clock, coasting)
         self.route = make_router(routing)
         self.rng = random.Random(seed)
         self.token_times = token_times
@@ -209,31 +222,47 @@ class Simulator:
         self._token = (self._token * 1103515245 + 12345) % (1 << 31)
         return 1000 + self._token % 199_000
 
+    def _stand_in_tokens(self, count: int) -> range:
+        """Tokens for a coaster catching up: a run of distinct ids (nothing reads them)."""
+        self._token = (self._token + count) % 199_000
+        return range(1000 + self._token, 1000 + self._token + count)
+
+    def _coasted(self, replica: Replica, request: Request, first: int, last: int, offset: int) -> None:
+        """A request coasted through steps first..last: bill them and stamp their tokens."""
+        record = self._live[request.request_id][0]
+        record.engine_seconds += replica.log.charge(first, last, offset, request.tier == "fast")
+        if record.index <= self.token_times:
+            record.chunk_times.extend(replica.log.times(first, last))
+
     def _start_step(self, replica: Replica) -> None:
         plan = replica.scheduler.plan()
-        if not plan.seqs:
+        num_seqs = plan.num_seqs
+        if not num_seqs:
             replica.in_flight = None
             return
         runner = self.truth.predict(plan.shape) * (self.rng.choice(self.profile.jitter) if self.profile.jitter else 1.0)
-        seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * len(plan.seqs)
+        seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * num_seqs
         replica.in_flight = (plan, runner)
         replica.busy_seconds += seconds
-        self.steps.append((self.now, len(plan.seqs), plan.num_tokens, seconds))
+        self.steps.append((self.now, num_seqs, plan.num_tokens, seconds))
         self._push(self.now + seconds, _STEP_DONE, replica)
 
     def _finish_step(self, replica: Replica) -> None:
         plan, runner = replica.in_flight
-        tokens = {s.request_id: [SampledToken(self._next_token())] for s in plan.seqs if s.sample}
-        changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
         coefficients = self.truth.coefficients[plan.kernel]
-        for rid, seconds in attribute(plan, runner, coefficients, 1.0).items():
+        # Metered before the commit: coasters that stop in it are billed from the log.
+        split = shares(plan, runner, coefficients, 1.0)
+        for rid, seconds in split.by_request.items():
             if rid != READINESS:  # readiness is billed to the next fast request; here, dropped
                 self._live[rid][0].engine_seconds += seconds
+        replica.log.record(plan.step_id, self.now, split, coefficients)
+        tokens = {s.request_id: [SampledToken(self._next_token())] for s in plan.seqs if s.sample}
+        changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
         for request in changed:
             record, _, stage = self._live[request.request_id]
             if record.first_token is None:
                 record.first_token = self.now
-            if record.index <= self.token_times:
+            if record.index <= self.token_times and request.request_id in tokens:  # coasters' are stamped
                 record.chunk_times.append(self.now)
             if request.finished:
                 del self._live[request.request_id]

@@ -1,0 +1,137 @@
+"""Coasting: the scheduler's bookkeeping for steady decodes, kept as sums instead of per step.
+
+A simulated million requests is a quarter of a billion sequence-steps, and nearly all of them
+are the same thing: a running request that decodes one token and is not near any decision.
+Planning and committing each one costs the scheduler tens of microseconds in Python. So when
+the scheduler is given a token source (the simulator gives one; the engine never does, since
+a real runner needs every sequence spelled out), a request that decodes plainly "coasts": it
+leaves the per-request lists, and its tier's CoastGroup carries it as a count and a sum of
+positions. A step takes a whole group at once, after checking it exactly as the per-request
+path would (the same time target, token budget, blocks and turn order); where any check could
+come out differently for some member, the group is brought back up to date first and planned
+request by request. The results are the same either way, which tests check.
+
+A coaster's Request lags while it coasts: its tokens and counters are brought up to date
+(with tokens from the source) when it stops, at its last step or when a check needs it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from tollway.request import Request
+
+
+class Coaster:
+    """One coasting request: up to date as of step `anchor`, after which it ran in every step.
+    In step t it feeds the token at position offset + t."""
+
+    __slots__ = ("request", "group", "anchor", "computed", "offset", "admitted")
+
+    def __init__(self, request: Request, group: str, anchor: int, admitted: int):
+        self.request, self.group, self.anchor, self.admitted = request, group, anchor, admitted
+        self.computed = request.num_computed_tokens
+        self.offset = self.computed - anchor - 1
+
+
+class CoastStep(NamedTuple):
+    """A group's share of one step: `count` decodes whose attention reads `pairs` query-key
+    pairs in all (position + 1 each)."""
+
+    group: str
+    count: int
+    pairs: int
+    fast: bool  # the group is the fast lane's (metering charges it apart when fast caps a step)
+
+
+class CoastGroup:
+    """Coasters that one run phase of the policy takes together."""
+
+    def __init__(self):
+        self.count = 0
+        self.offset_sum = 0
+        # Bounds on the members' admission order (the turn order within a phase); kept loose
+        # as members leave: a loose bound only sends a step down the per-request path.
+        self.min_admitted = self.max_admitted = 0
+        self.block_needs: list[tuple[int, int, Coaster]] = []  # (step that needs a new block, tie, coaster)
+
+    def pairs_at(self, step: int) -> int:
+        """Query-key pairs of the group's decodes in `step`."""
+        return self.offset_sum + self.count * (step + 1)
+
+
+class Coasting:
+    def __init__(self, tokens: Callable[[int], Iterable[int]],
+                 on_end: Callable[[Request, int, int, int], None] | None = None):
+        """`tokens(k)`: k output tokens for a coaster catching up (the simulator's stand-ins).
+        `on_end(request, first_step, last_step, offset)`: a coaster stopped, having run in
+        steps first_step..last_step at position offset + step (for metering and token times)."""
+        self.tokens = tokens
+        self.on_end = on_end
+        self.members: dict[str, Coaster] = {}
+        self.groups: dict[str, CoastGroup] = {}
+        self._finishes: list[tuple[int, int, Coaster]] = []  # (the step of its last token, tie, coaster)
+        self._dues: list[tuple[float, int, Coaster]] = []  # batch: when it falls due (then it steps)
+        self._tie = itertools.count()
+
+    def group(self, name: str) -> CoastGroup:
+        group = self.groups.get(name)
+        if group is None:
+            group = self.groups[name] = CoastGroup()
+        return group
+
+    def start(self, request: Request, group_name: str, anchor: int, admitted: int, last_step: int,
+              next_block_step: int, due: float | None) -> None:
+        """`request` coasts from the step after `anchor`; its last token comes in `last_step`,
+        and it needs a new block for the step `next_block_step`."""
+        coaster = Coaster(request, group_name, anchor, admitted)
+        self.members[request.request_id] = coaster
+        group = self.group(group_name)
+        if group.count == 0:
+            group.min_admitted = group.max_admitted = admitted
+        group.count += 1
+        group.offset_sum += coaster.offset
+        group.min_admitted, group.max_admitted = min(group.min_admitted, admitted), max(group.max_admitted, admitted)
+        tie = next(self._tie)
+        heapq.heappush(self._finishes, (last_step, tie, coaster))
+        heapq.heappush(group.block_needs, (next_block_step, tie, coaster))
+        if due is not None:
+            heapq.heappush(self._dues, (due, tie, coaster))
+
+    def stop(self, request_id: str) -> Coaster:
+        coaster = self.members.pop(request_id)
+        group = self.groups[coaster.group]
+        group.count -= 1
+        group.offset_sum -= coaster.offset
+        return coaster
+
+    def needing_blocks(self, group: CoastGroup, step: int) -> list[Coaster]:
+        """The group's coasters whose next token in `step` starts a new block (popped: the
+        caller allocates and pushes each back with its next such step, or restores them)."""
+        out = []
+        while group.block_needs and group.block_needs[0][0] <= step:
+            _, _, coaster = heapq.heappop(group.block_needs)
+            if self.members.get(coaster.request.request_id) is coaster:
+                out.append(coaster)
+        return out
+
+    def need_block(self, group: CoastGroup, coaster: Coaster, step: int) -> None:
+        heapq.heappush(group.block_needs, (step, next(self._tie), coaster))
+
+    def finishing(self, step: int) -> list[Coaster]:
+        """Coasters whose last token came in `step` (or before: none should)."""
+        return self._pop_live(self._finishes, step)
+
+    def due(self, now: float) -> list[Coaster]:
+        """Coasting batch requests that have fallen due: they go back to running as standard."""
+        return self._pop_live(self._dues, now)
+
+    def _pop_live(self, heap: list, until: float) -> list[Coaster]:
+        out = []
+        while heap and heap[0][0] <= until:
+            _, _, coaster = heapq.heappop(heap)
+            if self.members.get(coaster.request.request_id) is coaster:
+                out.append(coaster)
+        return out
