@@ -99,6 +99,9 @@ class Simulator:
         config = copy.deepcopy(config)
         config.int8_max_tokens, config.dense_kernel = profile.int8_max_tokens, profile.dense_kernel
         config.speculative_tokens = 0  # stand-in tokens never repeat: no draft would be found
+        # Every prompt starts with its own token: no prefix ever hits, and hashing every block of
+        # every prompt for the cache was a third of a large simulation's time.
+        config.enable_prefix_caching = False
         if profile.kv_tokens is not None:
             config.num_blocks = max(1, profile.kv_tokens // config.block_size)
         config.validate()
@@ -119,6 +122,7 @@ class Simulator:
         self._ids = 0
         self._token = seed
         self.steps: list[tuple[float, int, int, float]] = []  # (start, sequences, tokens, seconds)
+        self.coasted = 0  # sequence-steps planned as coasting groups
 
     # ---- a stage ---------------------------------------------------------------------------
 
@@ -244,6 +248,7 @@ class Simulator:
         seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * num_seqs
         replica.in_flight = (plan, runner)
         replica.busy_seconds += seconds
+        self.coasted += num_seqs - len(plan.seqs)
         self.steps.append((self.now, num_seqs, plan.num_tokens, seconds))
         self._push(self.now + seconds, _STEP_DONE, replica)
 
