@@ -49,17 +49,31 @@ class CoastStep(NamedTuple):
 class CoastGroup:
     """Coasters that one run phase of the policy takes together."""
 
-    def __init__(self):
+    def __init__(self, block_size: int):
         self.count = 0
         self.offset_sum = 0
         # Bounds on the members' admission order (the turn order within a phase); kept loose
         # as members leave: a loose bound only sends a step down the per-request path.
         self.min_admitted = self.max_admitted = 0
-        self.block_needs: list[tuple[int, int, Coaster]] = []  # (step that needs a new block, tie, coaster)
+        # A coaster needs a new block in the steps where its position is a multiple of the
+        # block size: members counted per tier by step % block_size.
+        self.block_size = block_size
+        self.new_blocks: dict[str, list[int]] = {}
 
     def pairs_at(self, step: int) -> int:
         """Query-key pairs of the group's decodes in `step`."""
         return self.offset_sum + self.count * (step + 1)
+
+    def needing_blocks(self, step: int) -> dict[str, int]:
+        """tier -> members whose token in `step` starts a new block."""
+        r = step % self.block_size
+        return {tier: counts[r] for tier, counts in self.new_blocks.items() if counts[r]}
+
+    def count_blocks(self, coaster: Coaster, sign: int) -> None:
+        counts = self.new_blocks.get(coaster.request.tier)
+        if counts is None:
+            counts = self.new_blocks[coaster.request.tier] = [0] * self.block_size
+        counts[-coaster.offset % self.block_size] += sign
 
 
 class Coasting:
@@ -72,6 +86,7 @@ class Coasting:
         self.on_end = on_end
         self.members: dict[str, Coaster] = {}
         self.groups: dict[str, CoastGroup] = {}
+        self.block_size = 16  # the scheduler sets its pool's
         self._finishes: list[tuple[int, int, Coaster]] = []  # (the step of its last token, tie, coaster)
         self._dues: list[tuple[float, int, Coaster]] = []  # batch: when it falls due (then it steps)
         self._tie = itertools.count()
@@ -79,13 +94,14 @@ class Coasting:
     def group(self, name: str) -> CoastGroup:
         group = self.groups.get(name)
         if group is None:
-            group = self.groups[name] = CoastGroup()
+            group = self.groups[name] = CoastGroup(self.block_size)
         return group
 
     def start(self, request: Request, group_name: str, anchor: int, admitted: int, last_step: int,
-              next_block_step: int, due: float | None) -> None:
-        """`request` coasts from the step after `anchor`; its last token comes in `last_step`,
-        and it needs a new block for the step `next_block_step`."""
+              due: float | None) -> None:
+        """`request` coasts from the step after `anchor`; its last token comes in `last_step`.
+        Its blocks must end where its KV does (the next block is needed at the next multiple
+        of the block size)."""
         coaster = Coaster(request, group_name, anchor, admitted)
         self.members[request.request_id] = coaster
         group = self.group(group_name)
@@ -94,9 +110,9 @@ class Coasting:
         group.count += 1
         group.offset_sum += coaster.offset
         group.min_admitted, group.max_admitted = min(group.min_admitted, admitted), max(group.max_admitted, admitted)
+        group.count_blocks(coaster, 1)
         tie = next(self._tie)
         heapq.heappush(self._finishes, (last_step, tie, coaster))
-        heapq.heappush(group.block_needs, (next_block_step, tie, coaster))
         if due is not None:
             heapq.heappush(self._dues, (due, tie, coaster))
 
@@ -105,20 +121,8 @@ class Coasting:
         group = self.groups[coaster.group]
         group.count -= 1
         group.offset_sum -= coaster.offset
+        group.count_blocks(coaster, -1)
         return coaster
-
-    def needing_blocks(self, group: CoastGroup, step: int) -> list[Coaster]:
-        """The group's coasters whose next token in `step` starts a new block (popped: the
-        caller allocates and pushes each back with its next such step, or restores them)."""
-        out = []
-        while group.block_needs and group.block_needs[0][0] <= step:
-            _, _, coaster = heapq.heappop(group.block_needs)
-            if self.members.get(coaster.request.request_id) is coaster:
-                out.append(coaster)
-        return out
-
-    def need_block(self, group: CoastGroup, coaster: Coaster, step: int) -> None:
-        heapq.heappush(group.block_needs, (step, next(self._tie), coaster))
 
     def finishing(self, step: int) -> list[Coaster]:
         """Coasters whose last token came in `step` (or before: none should)."""

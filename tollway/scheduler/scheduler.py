@@ -146,6 +146,7 @@ class Scheduler:
         self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
+        self._kv_reserved = sum(self._reserved["kv"].values())  # bounds any tier's _reserve_against
         # The pool bounds a tier's longest request as max_model_len does: a lone request must
         # always fit once everything else is preempted, or it could never finish. Its last token
         # needs no KV, hence the + 1.
@@ -157,6 +158,8 @@ class Scheduler:
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
         self._coasting = coasting if config.policy != "priority" else None
+        if self._coasting:
+            self._coasting.block_size = config.block_size
         # The running requests planned one by one: all of them, unless some coast.
         self._stepping: dict[str, Request] = {} if self._coasting else self.running
         self._groups_taken: list[str] = []  # coasting groups in the plan being made
@@ -382,7 +385,6 @@ class Scheduler:
                        self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
             del self._stepping[rid]
             self._coasting.start(request, self._coast_group(request), step_id, self._admitted[rid], step_id + left,
-                                 len(self.pool.table(rid)) * self.pool.block_size - request.num_computed_tokens + step_id + 1,
                                  self._due(request) if self.policy == "lanes" else None)
 
     def _coast_group(self, request: Request) -> str:
@@ -402,6 +404,8 @@ class Scheduler:
             return False
         if self.policy == "lanes" and request.tier == "fast" and self.config.speculative_tokens:
             return False
+        if len(self.pool.table(request.request_id)) != self.pool.blocks_for(request.num_computed_tokens):
+            return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
         return not (self.policy == "lanes" and self._is_due(request, now))
 
     def _wake(self, coaster: Coaster, last_step: int) -> Request:
@@ -410,6 +414,17 @@ class Scheduler:
         request = coaster.request
         rid = request.request_id
         self._coasting.stop(rid)
+        # Its blocks were promised step by step (_take_coasting), through the latest plan if
+        # that took its group: hand out those it ran into, give back any it did not.
+        blocks_for, had = self.pool.blocks_for, len(self.pool.table(rid))
+        promised_to = self._step_id if coaster.group in self._groups_taken else self._step_id - 1
+        promised = blocks_for(coaster.offset + promised_to + 1) - had
+        used = blocks_for(coaster.offset + last_step + 1) - had
+        if promised > used:
+            self.pool.promise(used - promised)
+            self._held[request.tier] -= promised - used
+        if used:
+            self.pool.allocate(rid, coaster.offset + last_step + 1, promised=used)
         steps = last_step - coaster.anchor
         if steps > 0:
             request.output_token_ids.extend(self._coasting.tokens(steps))
@@ -460,23 +475,22 @@ class Scheduler:
         if step.tokens_left < n or step.num_seqs + n > self.config.max_num_seqs:
             return False
         if step.seconds is not None:
-            if any(c < 0 for cs in self.step_model.coefficients.values() for c in cs):
+            if not self.step_model.monotone:
                 return False  # time would not grow with work: the group's sum proves nothing
             must = self.policy == "lanes" and name == "fast"  # fast always runs; a miss caps the step
             if not step.shape_fits(step.shape.with_decodes(n, pairs)):
                 if not must:
                     return False
                 step.capped = True
-        needing = self._coasting.needing_blocks(coasters, t)
-        bs = self.pool.block_size
-        need = sum(self.pool.blocks_for(c.offset + t + 1) - len(self.pool.table(c.request.request_id)) for c in needing)
-        if need and need > self.pool.num_free - max(self._reserve_against(tier) for tier in self.tiers):
-            for c in needing:
-                self._coasting.need_block(coasters, c, t)
-            return False
-        for c in needing:
-            self._allocate(c.request, c.offset + t + 1)
-            self._coasting.need_block(coasters, c, len(self.pool.table(c.request.request_id)) * bs - c.offset)
+        needing = coasters.needing_blocks(t)
+        if needing:
+            need = sum(needing.values())
+            free = self.pool.num_free
+            if need > free - self._kv_reserved and need > free - max(map(self._reserve_against, self.tiers)):
+                return False
+            self.pool.promise(need)  # block ids are handed out when each coaster wakes
+            for tier, count in needing.items():
+                self._held[tier] += count
         step.add_coasting(CoastStep(name, n, pairs, name == "fast"))
         self._groups_taken.append(name)
         return True

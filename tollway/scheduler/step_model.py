@@ -108,6 +108,8 @@ class StepTimeModel:
                 raise ValueError(f"{kernel}: need {len(FEATURES)} coefficients, got {len(c)}")
         self.prior = {k: [float(x) for x in c] for k, c in coefficients.items()}
         self.coefficients = {k: list(c) for k, c in self.prior.items()}
+        # Whether time never falls as work is added (fitted coefficients are; a prior may not be)
+        self.monotone = all(x >= 0 for c in self.coefficients.values() for x in c)
         self.prior_weight = prior_weight
         self.refit_every = refit_every
         self._window: dict[str, deque[tuple[tuple[float, ...], float]]] = {
@@ -205,6 +207,7 @@ class StepTimeModel:
         for kernel, rows in self._window.items():
             if rows:
                 self.coefficients[kernel] = _solve(self._sums[kernel], self.prior[kernel], self.prior_weight)
+        self.monotone = all(x >= 0 for c in self.coefficients.values() for x in c)
 
     def _rebuild_sums(self) -> None:
         self._sums = {k: _Sums.of(self._base[k] + list(self._window[k])) for k in self.coefficients}
