@@ -41,11 +41,9 @@ def wait_until_up(proc: subprocess.Popen, url: str, timeout: float = 300) -> Non
         time.sleep(0.5)
 
 
-def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=None):
-    """uvicorn on a free loopback port in a thread; yields its details, then stops it."""
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
+def serving(app):
+    """uvicorn serving `app` on a free loopback port in a thread; yields its URL, then stops it."""
     port = free_port()
-    app = create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir, meter)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -53,9 +51,16 @@ def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=
     while not uv.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "engine": async_engine, "sync": engine}
+    yield f"http://127.0.0.1:{port}"
     uv.should_exit = True
     thread.join(10)
+
+
+def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=None):
+    """A tollway server over `engine` (see serving); yields its details, then stops it."""
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
+    for url in serving(create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir, meter)):
+        yield {"url": url, "engine": async_engine, "sync": engine}
     async_engine.shutdown()
 
 

@@ -5,12 +5,9 @@ its figures agree with /metrics and the meter; the Grafana board queries only se
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +15,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from dashboard_browser import ARTIFACTS, ROOT, dashboard_page, shown_values
 from live_server import MODEL, make_meter, running_server
 from tollway.config import TIERS, BudgetSpec, KeySpec, default_tiers
 from tollway.server.app import create_app
@@ -25,8 +23,6 @@ from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import MAX_STEPS
 from tollway.server.metrics import Metrics
 
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = Path(os.environ.get("TOLLWAY_ARTIFACTS", ROOT / "test-artifacts"))
 ADMIN, USER = "sk-admin", "sk-user"
 # A shared opening, two KV blocks long, so later prompts find it in the prefix cache.
 OPENING = "You are a terse assistant for an operations team. Answer in one short sentence, no lists. "
@@ -146,29 +142,12 @@ def test_an_open_server_opens_its_dashboard(server):
 
 
 def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traffic):
-    chromium = shutil.which("chromium")
     # Every lane has finished requests in the window and the fast lane has capped a step.
     wait_for(server, lambda d: every_lane_finished_some(d) and sum(d["timeline"]["capped"]) > 0)
-    if chromium is None:
-        assert not os.environ.get("TOLLWAY_REQUIRE_BROWSER"), "chromium is missing, and CI requires the browser check"
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    errors, elsewhere, failed = [], [], []
-    read_values = "els => Object.fromEntries(els.map(e => [e.dataset.value, e.textContent]))"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        view = browser.new_page(viewport={"width": 1440, "height": 1000})
-        view.on("console", lambda m: m.type in ("error", "warning") and errors.append(m.text))
-        view.on("pageerror", lambda e: errors.append(str(e)))
-        view.on("request", lambda r: r.url.startswith(server["url"] + "/") or elsewhere.append(r.url))
-        view.on("response", lambda r: r.status >= 400 and failed.append(f"{r.status} {r.url}"))
-        view.goto(f"{server['url']}/dashboard?key={ADMIN}")
-        view.wait_for_function("document.querySelector('.dot.live') !== null", timeout=10_000)
-        first = view.eval_on_selector_all("[data-value]", read_values)
+    with dashboard_page(server["url"], ADMIN) as (view, problems):
+        first = shown_values(view)
         time.sleep(3.2)  # two polls later
-        second = view.eval_on_selector_all("[data-value]", read_values)
+        second = shown_values(view)
         panels = view.eval_on_selector_all("[data-panel]", """panels => panels.map(p => ({
             name: p.dataset.panel,
             svgs: [...p.querySelectorAll('svg')].map(s => ({w: s.getBoundingClientRect().width,
@@ -178,8 +157,7 @@ def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traff
         budget_bars = view.eval_on_selector_all("#budgets-chart rect:not(.track)", "rs => rs.length")
         steps_drawn = view.eval_on_selector_all("#economics-chart circle", "cs => cs.length")
         view.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-        browser.close()
-    assert errors == [] and elsewhere == [] and failed == []
+    assert problems == {"errors": [], "elsewhere": [], "failed": []}
     # The numbers move between two reads while traffic runs.
     assert first["steps"] != second["steps"] and first["generated"] != second["generated"]
     for values in (first, second):

@@ -1,7 +1,7 @@
-"""tollway serve --replicas: the routing policy and the merged metrics on their own, then a
-real local Ray instance with two replicas of the default model behind the tier-aware router,
-driven by the official openai client. One fleet for the module; the test that kills a replica
-runs last."""
+"""tollway serve --replicas: the routing policy, the merged metrics and the merged dashboard on
+their own, then a real local Ray instance with two replicas of the default model behind the
+tier-aware router, driven by the official openai client. One fleet for the module; the test that
+kills a replica runs after the others but the one that looks at the dead replica's dashboard."""
 from __future__ import annotations
 
 import asyncio
@@ -16,17 +16,27 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from tollway.bench.stats import percentile
 from tollway.cli import main, server_parts
-from tollway.config import TIERS, EngineConfig, MeterConfig, SchedulerConfig, ServerConfig
+from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
+from tollway.fleet.dashboard import merge
 from tollway.fleet.fleet import Fleet
+from tollway.fleet.ingress import create_ingress
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import ReplicaSpec
 from tollway.fleet.router import ReplicaState, Router
+from tollway.server import errors
+from tollway.server.dashboard import dashboard_router
+from tollway.server.keys import Gatekeeper
+from tollway.server.live_stats import LiveStats
 
-from live_server import MODEL, free_port
+from dashboard_browser import ARTIFACTS, dashboard_page, shown_values
+from live_server import MODEL, free_port, serving
 
 # Small steps keep runs short on two cores: 8 sequences (one slot reserved for fast), prefill
 # chunks of 64 tokens, and a fast target that caps the steps fast work rides in. Without
@@ -96,6 +106,88 @@ def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
     assert "pip install 'tollway[ray]'" in capsys.readouterr().err
 
 
+def replica_data(timeline: dict | None = None, **tpot: list[float]) -> dict:
+    """A replica's /dashboard/data?samples=1 with these TPOT samples per tier (and timeline)."""
+    body = {"model": MODEL, "now": 0.0, "price_per_hour": None, **LiveStats().snapshot(samples=True), "budgets": []}
+    body["samples"]["tpot"] |= tpot
+    if timeline:
+        body["timeline"] = {"bin_seconds": 1.0, "capped": [0] * len(timeline["t"]), "tokens": timeline["seqs"],
+                            "waiting": {t: [0] * len(timeline["t"]) for t in TIERS},
+                            "running": {t: timeline.get(t, [0] * len(timeline["t"])) for t in TIERS}} | timeline
+    return body
+
+
+def test_fleet_dashboard_merges_percentiles_from_samples_and_keeps_idle_replicas_state():
+    quick = replica_data({"t": [-1.5, -0.5], "steps": [2, 1], "seqs": [4, 2], "standard": [3, 0],
+                          "kv_usage": [0.5, 0.1]}, fast=[0.01] * 9)
+    slow = replica_data({"t": [-1.5], "steps": [1], "seqs": [1], "standard": [1], "kv_usage": [0.2]}, fast=[0.1])
+    d = merge(router(load(), load()).replicas, {0: quick, 1: slow})
+    # The fleet's median is over its requests (10 ms), not the mean of the replicas' medians (55 ms).
+    assert d["tiers"]["fast"]["tpot"] == {"p50": 0.01, "p99": percentile([0.01] * 9 + [0.1], 0.99)}
+    assert d["tiers"]["fast"]["tok_s_per_user"]["p50"] == pytest.approx(100)
+    assert d["tiers"]["standard"]["tpot"]["p50"] is None
+    tl = d["timeline"]
+    assert tl["t"] == [-1.5, -0.5] and tl["steps"] == [3, 1] and tl["seqs"] == [3, 2]  # (4*2 + 1) / 3 per step
+    # Replica 1 did not step in the last bin: its queue and KV use stay those of its latest step.
+    assert tl["running"]["standard"] == [4, 1] and tl["kv_usage"] == [pytest.approx(0.35), pytest.approx(0.15)]
+    assert [r["state"] for r in d["replicas"]] == ["serving", "serving"]
+
+
+class Rayless(Fleet):
+    """A Fleet over replicas that are plain servers: no Ray, no load polls (the loads stay as given)."""
+
+    def __init__(self, urls: list[str]):
+        super().__init__(None, len(urls))
+        self.router = router(*(load() for _ in urls))
+        for replica, url in zip(self.router.replicas, urls):
+            replica.url = url
+        self.metrics = FleetMetrics(self.router)
+
+    async def watch(self) -> None:
+        await asyncio.Event().wait()
+
+
+def dashboard_only(gatekeeper: Gatekeeper) -> FastAPI:
+    """A replica's /dashboard and /dashboard/data alone, over an engine that never stepped."""
+    app = FastAPI()
+    errors.install(app)
+    app.include_router(dashboard_router(LiveStats(), gatekeeper, MODEL))
+    return app
+
+
+def test_the_fleet_dashboard_needs_an_admin_key_and_survives_its_replicas():
+    admin, user = "sk-admin", "sk-user"
+    keys = Gatekeeper([KeySpec(admin, "ops", admin=True), KeySpec(user, "user")])
+    servers = [serving(dashboard_only(keys)) for _ in range(2)]
+    fleet = Rayless([next(s) for s in servers])
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            # As on one server: 401 without a valid key, 403 for a key that is not an admin's.
+            for path in ("/dashboard", "/dashboard/data"):
+                for auth, status, code in (({}, 401, "invalid_api_key"), ({"key": "sk-nobody"}, 401,
+                                           "invalid_api_key"), ({"key": user}, 403, "admin_required")):
+                    refused = ingress.get(path, params=auth)
+                    assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), (path, auth)
+                assert ingress.get(path, headers={"Authorization": f"Bearer {user}"}).status_code == 403
+                assert ingress.get(path, params={"key": admin}).status_code == 200
+            data = lambda: ingress.get("/dashboard/data", headers={"Authorization": f"Bearer {admin}"}).json()
+            d = data()
+            assert "samples" not in d
+            assert [(r["state"], r["answered"]) for r in d["replicas"]] == [("serving", True)] * 2
+            replica = fleet.router.replicas[1]
+            replica.url = f"http://127.0.0.1:{free_port()}"  # it stops answering
+            d = data()
+            assert (d["replicas"][1]["state"], d["replicas"][1]["answered"], d["replicas"][1]["totals"]) == (
+                "serving", False, None)
+            fleet.router.died(replica)
+            d = data()
+            assert (d["replicas"][1]["state"], d["replicas"][1]["outstanding_tokens"]) == ("dead", None)
+            assert d["totals"] == d["replicas"][0]["totals"]
+    finally:
+        for s in servers:
+            next(s, None)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     try:
@@ -104,8 +196,6 @@ def fleet(tmp_path_factory):
         assert not os.environ.get("TOLLWAY_REQUIRE_RAY"), "ray is missing, and CI requires the fleet tests"
         pytest.skip("Ray is not installed (pip install 'tollway[ray]')")
     import uvicorn
-
-    from tollway.fleet.ingress import create_ingress
 
     root = tmp_path_factory.mktemp("fleet")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -215,6 +305,46 @@ def test_a_drained_replica_sheds_its_queue_to_the_other(fleet):
     assert 'tollway:router_retries_total{tier="standard",why="queue_full"}' in text
 
 
+def test_the_dashboard_shows_both_replicas_and_fleet_totals_that_add_up(fleet):
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, fleet, prompt(700 + i, 10), tier, 6)
+                   for i, tier in enumerate(["default"] * 4 + ["priority"] * 2)]
+        batch = [pool.submit(client(fleet).completions.create, model=MODEL, prompt=prompt(720 + i, 10), max_tokens=4,
+                             extra_body={"service_tier": "flex"}) for i in range(2)]
+        assert not [r["error"] for r in (f.result() for f in streams) if r["error"]]
+        assert all(f.result().choices[0].text for f in batch)
+    d = httpx.get(fleet["url"] + "/dashboard/data").json()
+    replicas = d["replicas"]
+    assert [(r["replica"], r["state"], r["answered"]) for r in replicas] == [(0, "serving", True), (1, "serving", True)]
+    assert all(r["totals"]["steps"] > 0 and sum(r["tiers"][t]["finished"] for t in TIERS) > 0 for r in replicas)
+    # The fleet's totals are the sums over its replicas.
+    for field in ("steps", "generated_tokens", "tokens_per_s", "steps_per_s"):
+        assert d["totals"][field] == pytest.approx(sum(r["totals"][field] for r in replicas)), field
+    for tier in TIERS:
+        for field in ("finished", "running", "waiting", "tokens"):
+            assert d["tiers"][tier][field] == sum(r["tiers"][tier][field] for r in replicas), (tier, field)
+        assert d["tiers"][tier]["cost"] == pytest.approx(sum(r["tiers"][tier]["cost"] for r in replicas))
+    for field in ("queried", "hits"):
+        assert d["prefix_cache"][field] == sum(r["prefix_cache"][field] for r in replicas)
+    assert d["kv_usage"] == pytest.approx(statistics.mean(r["kv_usage"] for r in replicas))  # equal KV pools
+    assert len(d["economics"]["by_replica"]) == 2
+    with dashboard_page(fleet["url"]) as (view, problems):
+        values = shown_values(view)
+        cards = view.eval_on_selector_all("#replicas .replica", "cs => cs.length")
+        # Per replica: a track for each lane's queue bar and for KV use, each row labelled.
+        drawn = view.eval_on_selector_all("[data-panel=replicas] svg", """svgs => svgs.map(s => [
+            s.querySelectorAll('rect.track').length, s.textContent])""")
+        model = view.text_content("#model")
+        view.screenshot(path=str(ARTIFACTS / "fleet-dashboard.png"), full_page=True)
+    assert problems == {"errors": [], "elsewhere": [], "failed": []}
+    assert cards == 2 and model.endswith("2 replicas")
+    assert len(drawn) == 2 and all(tracks == 4 and "run" in text and "KV" in text for tracks, text in drawn)
+    for i in (0, 1):
+        assert values[f"replica-{i}-state"] == "serving"
+        for field in ("steps", "finished", "generated"):
+            assert values[f"replica-{i}-{field}"] not in ("—", "0"), (i, field, values)
+
+
 def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):
     with ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(stream, fleet, prompt(400 + i, 10), "default", 48, 30.0) for i in range(4)]
@@ -245,3 +375,15 @@ def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_
     assert [r["alive"] for r in health["replicas"]] == [True, False]
     after = stream(fleet, prompt(600), "default", 8)
     assert after["error"] is None and after["replica"] == "0"
+
+
+def test_the_dashboard_shows_a_dead_replica_as_dead(fleet):
+    d = httpx.get(fleet["url"] + "/dashboard/data").json()
+    live, dead = d["replicas"]
+    assert (dead["state"], dead["answered"], dead["totals"], dead["outstanding_tokens"]) == ("dead", False, None, None)
+    assert live["state"] == "serving" and d["totals"] == live["totals"]  # the dead one's figures left with it
+    with dashboard_page(fleet["url"]) as (view, problems):
+        values = shown_values(view)
+    assert problems == {"errors": [], "elsewhere": [], "failed": []}
+    assert values["replica-0-state"] == "serving" and values["replica-1-state"] == "dead"
+    assert values["replica-1-steps"] == "—" and values["replica-0-steps"] != "—"

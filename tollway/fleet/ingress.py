@@ -9,8 +9,9 @@ replica ends the stream with an OpenAI-style error event and [DONE], never a han
 connection closes when its process dies, and the fleet kills a replica that stops answering
 its load polls.
 
-Everything else (/v1/models, /v1/usage, the Batch API, /dashboard) goes to the batch home
-replica, the one that runs Batch API jobs, or to any live one if it is gone.
+/dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
+the Batch API, the /dashboard page) goes to the batch home replica, the one that runs Batch API
+jobs, or to any live one if it is gone.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
+from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, estimated_tokens
 from tollway.server import errors
 from tollway.server.errors import APIError
@@ -73,6 +75,10 @@ def create_ingress(fleet) -> FastAPI:
             return resp.text if resp.status_code == 200 else None
         except httpx.HTTPError:
             return None
+
+    @app.get("/dashboard/data")
+    async def dashboard_data(request: Request) -> Response:
+        return await fleet_data(client, router.replicas, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -74,8 +74,7 @@ class _RouterState:
         fast_free = GaugeMetricFamily("tollway:replica_fast_free_slots",
                                       "Reserved fast slots not in use, as the router counts them.", labels=["replica"])
         for r in self.router.replicas:
-            state = "dead" if not r.alive else "draining" if r.draining else "serving"
-            up.add_metric([str(r.index), state], float(r.routable))
+            up.add_metric([str(r.index), r.state], float(r.routable))
             outstanding.add_metric([str(r.index)], r.outstanding_tokens)
             fast_free.add_metric([str(r.index)], r.fast_free)
         waiting = GaugeMetricFamily("tollway:router_waiting", "Requests the router holds until a replica has room.",

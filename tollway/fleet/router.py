@@ -40,6 +40,10 @@ class ReplicaState:
         return self.alive and not self.draining
 
     @property
+    def state(self) -> str:
+        return "dead" if not self.alive else "draining" if self.draining else "serving"
+
+    @property
     def outstanding_tokens(self) -> int:
         return self.load.outstanding_tokens + sum(s[2] for s in self.sent)
 

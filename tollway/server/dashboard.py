@@ -7,6 +7,8 @@ as ?key=; the page then sends it back as a Bearer header on its polls. A key in 
 browser history and proxy logs: give the dashboard its own admin key (tollway serve
 --admin-key) rather than one that can spend. The page is one static file with no outside
 resources; its Content-Security-Policy lets it load nothing, and fetch nothing but this server.
+Behind a fleet's ingress the same page polls the ingress, which merges every replica's data
+(tollway/fleet/dashboard.py) from their /dashboard/data?samples=1.
 """
 from __future__ import annotations
 
@@ -52,11 +54,11 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
         return HTMLResponse(PAGE, headers=_PAGE_HEADERS)
 
     @router.get("/dashboard/data", dependencies=[Depends(admin)])
-    async def data() -> JSONResponse:
+    async def data(samples: bool = False) -> JSONResponse:
         budgets = await asyncio.to_thread(meter.budgets.burn) if meter is not None else []  # may read the ledger
         body = {"model": model_name, "now": time.time(),
                 "price_per_hour": meter.price_card.price_per_hour if meter is not None else None,
-                **stats.snapshot(), "budgets": budgets}
+                **stats.snapshot(samples), "budgets": budgets}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

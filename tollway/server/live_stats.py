@@ -96,9 +96,11 @@ class LiveStats:
             if self.started is None:
                 self.started = now
 
-    def snapshot(self) -> dict:
+    def snapshot(self, samples: bool = False) -> dict:
         """The dashboard's figures: the last WINDOW seconds, and the last HISTORY seconds as
-        charts over time (times in seconds before now)."""
+        charts over time (times in seconds before now). `samples` adds the window's latencies
+        themselves, per kind and tier: a fleet's ingress merges its replicas' percentiles from
+        them, since percentiles of parts do not give the percentile of the whole."""
         now = time.monotonic()
         with self._lock:
             steps = list(self._steps)
@@ -115,25 +117,40 @@ class LiveStats:
             tier_tokens = sum(s.tier_tokens[i] for s in recent)
             cost = price * sum(s.tier_charged[i] for s in recent) if price is not None else None
             tiers[tier] = {
-                "ttft": _quantiles(ttft[tier]), "tpot": _quantiles(tpot[tier]),
-                "tok_s_per_user": _quantiles([1 / v for v in tpot[tier] if v > 0]),
+                **lane_latency(ttft[tier], tpot[tier]),
                 "finished": sum(s.tier_finished[i] for s in recent),
                 "running": latest.running[i] if latest else 0, "waiting": latest.waiting[i] if latest else 0,
-                "tokens": tier_tokens, "cost": cost,
-                "cost_per_m_tokens": cost / tier_tokens * 1e6 if cost is not None and tier_tokens else None,
+                "tokens": tier_tokens, "cost": cost, "cost_per_m_tokens": per_million(cost, tier_tokens),
             }
         queried = sum(s.prefix_queried for s in recent)
         totals.update(tokens_per_s=sum(s.tokens for s in recent) / span, steps_per_s=len(recent) / span,
                       busy=min(1.0, sum(s.seconds for s in recent) / span))
-        return {
+        body = {
             "window": WINDOW, "history": HISTORY, "totals": totals, "tiers": tiers,
             "kv_usage": latest.kv_usage if latest else 0.0,
-            "prefix_cache": {"queried": queried, "hits": sum(s.prefix_hits for s in recent),
-                             "hit_rate": sum(s.prefix_hits for s in recent) / queried if queried else None},
+            "prefix_cache": prefix_cache(queried, sum(s.prefix_hits for s in recent)),
             "timeline": _timeline([s for s in steps if s.time > now - HISTORY], now),
             "economics": _economics(steps, price),
         }
+        if samples:
+            body["samples"] = {"ttft": ttft, "tpot": tpot}
+        return body
 
+
+# These three are public: a fleet's dashboard (tollway/fleet/dashboard.py) works its figures
+# out again from the replicas' samples and sums in the same way.
+def lane_latency(ttft: list[float], tpot: list[float]) -> dict:
+    """A lane's latency figures from its samples (seconds): TTFT, TPOT and tokens/s per user."""
+    return {"ttft": _quantiles(ttft), "tpot": _quantiles(tpot),
+            "tok_s_per_user": _quantiles([1 / v for v in tpot if v > 0])}
+
+
+def per_million(cost: float | None, tokens: int) -> float | None:
+    return cost / tokens * 1e6 if cost is not None and tokens else None
+
+
+def prefix_cache(queried: int, hits: int) -> dict:
+    return {"queried": queried, "hits": hits, "hit_rate": hits / queried if queried else None}
 
 
 def _timeline(steps: list[StepSample], now: float) -> dict:
