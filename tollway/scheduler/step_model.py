@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 
 # Rows go through a kernel's matmuls in groups: the int8 weight-only kernel takes 4 rows at a
@@ -240,13 +242,14 @@ def _valid(seconds: float) -> bool:
 class _Sums:
     """Weighted least squares on relative error, as sums over rows (x, y): A = sum w x x^T,
     b = sum w x y with w = 1/y^2, and sum |x_j / y| (each feature's typical size, for the
-    ridge's units). Rows can be added and taken away."""
+    ridge's units). Rows can be added and taken away; they are summed in bulk when the sums
+    are read (every refit), since a row at a time in Python was a large simulation's biggest
+    cost per step."""
 
     def __init__(self):
         n = len(FEATURES)
-        self.a = [[0.0] * n for _ in range(n)]
-        self.b = [0.0] * n
-        self.scale = [0.0] * n
+        self._a, self._b, self._scale = np.zeros((n, n)), np.zeros(n), np.zeros(n)
+        self._pending: list[tuple[tuple[float, ...], float, float]] = []
         self.count = 0
 
     @classmethod
@@ -257,17 +260,22 @@ class _Sums:
         return sums
 
     def add(self, row: tuple[tuple[float, ...], float], sign: float) -> None:
-        x, y = row
-        w = sign / (y * y) if y > 0 else sign
-        n = len(x)
-        for i in range(n):
-            wx = w * x[i]
-            self.scale[i] += sign * abs(x[i]) / max(y, 1e-9)
-            self.b[i] += wx * y
-            a = self.a[i]
-            for j in range(n):
-                a[j] += wx * x[j]
+        self._pending.append((row[0], row[1], sign))
         self.count += int(sign)
+
+    def read(self) -> tuple[list[list[float]], list[float], list[float]]:
+        """A, b and the feature scales, as lists."""
+        if self._pending:
+            x = np.array([p[0] for p in self._pending], dtype=float)
+            y = np.array([p[1] for p in self._pending], dtype=float)
+            sign = np.array([p[2] for p in self._pending], dtype=float)
+            self._pending.clear()
+            w = np.where(y > 0, sign / np.where(y > 0, y * y, 1.0), sign)
+            wx = x * w[:, None]
+            self._a += wx.T @ x
+            self._b += wx.T @ y
+            self._scale += (sign[:, None] * np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0)
+        return self._a.tolist(), self._b.tolist(), self._scale.tolist()
 
 
 def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[float]:
@@ -287,10 +295,9 @@ def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[
 
 def _normal_equations(sums: _Sums, prior, prior_weight, active) -> list[float]:
     n = len(FEATURES)
-    a = [row[:] for row in sums.a]
-    b = sums.b[:]
+    a, b, scales = sums.read()
     for i in range(n):
-        scale = sums.scale[i] / sums.count if sums.count else 0.0  # mean |x_i / y|
+        scale = scales[i] / sums.count if sums.count else 0.0  # mean |x_i / y|
         lam = prior_weight * max(scale, 1e-6) ** 2 if prior is not None else 1e-9 * (a[i][i] or 1.0)
         a[i][i] += lam
         b[i] += lam * (prior[i] if prior is not None else 0.0)
