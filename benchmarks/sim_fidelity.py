@@ -11,6 +11,10 @@ of standard and fast users under the default lanes policy. Speculation is off on
 the simulator's synthetic tokens give n-gram drafts nothing to find. Targets, per tier:
 throughput and p50 TPOT within 10%, p99 TTFT within 25%. Writes benchmarks/sim_fidelity.json
 (results for the full run) and a section of benchmarks/README.md.
+
+A simulated run draws every step's jitter at random, and a few hundred requests' p50 and p99
+move with the draw (standard TPOT p50 by ±9% here). So the simulator runs SIM_SEEDS times with
+different draws; the error is that of their mean, and the range is reported beside it.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
@@ -43,6 +49,7 @@ FULL = dict(users=24, requests=240, warmup=15.0, prompt=(64, 24, 16, 128), outpu
 QUICK = dict(users=8, requests=40, warmup=5.0, prompt=(32, 8, 16, 48), output=(16, 4, 8, 24),
              mix={"fast": 0.2, "standard": 0.8}, grid=dict(decodes=(1, 8, 32), prefills=(0, 64), repeats=1))
 TARGETS = {"throughput_rel_err": 0.10, "tpot_p50_rel_err": 0.10, "ttft_p99_rel_err": 0.25}
+SIM_SEEDS = 32
 
 
 def measure_real(s: dict, saved: Path) -> None:
@@ -77,16 +84,24 @@ def run(s: dict, saved: Path) -> dict:
     profile, profile_seconds, real = MachineProfile.from_dict(data["profile"]), data["profile_seconds"], data["real"]
     sim_config = SchedulerConfig(speculative_tokens=0, max_model_len=data["max_model_len"])
     workload, load, limits = _workload(s)
-    simulated = simulate(sim_config, profile, workload, [load], limits, progress=True)["stages"][0]
+    runs = [simulate(sim_config, profile, workload, [load], limits, progress=False, seed=workload.seed + k)["stages"][0]
+            for k in tqdm(range(SIM_SEEDS), desc="simulating", unit="run")]
+    simulated = runs[0]
+
+    def figures(summary: dict, tier: str) -> dict:
+        t = summary["tiers"].get(tier)
+        return {"throughput": t and t["output_tok_s"], "tpot_p50": t and t["tpot"]["p50"], "ttft_p99": t and t["ttft"]["p99"]}
+
     tiers = {}
     for tier in sorted(real["summary"]["tiers"]):
-        r, m = real["summary"]["tiers"][tier], simulated["summary"]["tiers"].get(tier)
-        pairs = {"throughput": (r["output_tok_s"], m and m["output_tok_s"]),
-                 "tpot_p50": (r["tpot"]["p50"], m and m["tpot"]["p50"]),
-                 "ttft_p99": (r["ttft"]["p99"], m and m["ttft"]["p99"])}
-        tiers[tier] = {"requests": r["completed"]}
-        for name, (measured, sim) in pairs.items():
+        measured_figures = figures(real["summary"], tier)
+        drawn = [figures(run["summary"], tier) for run in runs]
+        tiers[tier] = {"requests": real["summary"]["tiers"][tier]["completed"]}
+        for name, measured in measured_figures.items():
+            sims = [d[name] for d in drawn if d[name] is not None]
+            sim = sum(sims) / len(sims) if sims else None
             tiers[tier] |= {f"{name}_real": measured, f"{name}_sim": sim,
+                            f"{name}_sim_range": [min(sims), max(sims)] if sims else None,
                             f"{name}_rel_err": abs(sim - measured) / measured if measured and sim is not None else None}
     targets = {f"{tier}_{metric}_within_{limit:.0%}": (t[metric] is not None and t[metric] <= limit)
                for tier, t in tiers.items() for metric, limit in TARGETS.items()}
@@ -97,7 +112,7 @@ def run(s: dict, saved: Path) -> dict:
             "profile": {"hardware": profile.hardware, "steps": len(profile.samples), "overhead": profile.overhead,
                         "jitter_p90": sorted(profile.jitter)[int(0.9 * (len(profile.jitter) - 1))],
                         "seconds": profile_seconds},
-            "tiers": tiers, "targets": targets, "real": real, "simulated": simulated}
+            "sim_seeds": SIM_SEEDS, "tiers": tiers, "targets": targets, "real": real, "simulated": simulated}
 
 
 def markdown(r: dict, raw: str) -> str:
@@ -109,15 +124,17 @@ def markdown(r: dict, raw: str) -> str:
         f"prompts {s['prompt'][0]}±{s['prompt'][1]} tokens, outputs {s['output'][0]}±{s['output'][1]}, "
         f"{s['requests']} measured requests after {s['warmup']:.0f} s; lanes policy, speculation off. The simulator ran "
         f"on the profile `tollway profile` measured in the same run ({r['profile']['steps']} steps, "
-        f"{r['profile']['seconds']:.0f} s).",
+        f"{r['profile']['seconds']:.0f} s), {r['sim_seeds']} times with different jitter draws: sim is their mean "
+        f"(range in brackets), err is the mean's.",
         "",
         "| tier | requests | output tok/s real / sim | err | TPOT p50 ms real / sim | err | TTFT p99 ms real / sim | err |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for tier, t in r["tiers"].items():
         def cell(name, scale=1.0, fmt=".1f"):
-            real, sim = t[f"{name}_real"], t[f"{name}_sim"]
-            both = f"{real * scale:{fmt}} / {sim * scale:{fmt}}" if real is not None and sim is not None else "–"
+            real, sim, (lo, hi) = t[f"{name}_real"], t[f"{name}_sim"], t[f"{name}_sim_range"] or (None, None)
+            both = (f"{real * scale:{fmt}} / {sim * scale:{fmt}} [{lo * scale:{fmt}}–{hi * scale:{fmt}}]"
+                    if real is not None and sim is not None else "–")
             err = t[f"{name}_rel_err"]
             return f"{both} | {'–' if err is None else f'{err:.0%}'}"
         lines.append(f"| {tier} | {t['requests']} | {cell('throughput')} | {cell('tpot_p50', 1e3, '.0f')} | "

@@ -12,7 +12,9 @@ come out differently for some member, the group is brought back up to date first
 request by request. The results are the same either way, which tests check.
 
 A coaster's Request lags while it coasts: its tokens and counters are brought up to date
-(with tokens from the source) when it stops, at its last step or when a check needs it.
+(with tokens from the source) when it stops, at its last step or when a check needs it. So do
+its blocks: each step the pool counts the new blocks a group's members start as taken
+(BlockPool.promise), and hands out their ids when they stop.
 """
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ class Coaster:
     """One coasting request: up to date as of step `anchor`, after which it ran in every step.
     In step t it feeds the token at position offset + t."""
 
-    __slots__ = ("request", "group", "anchor", "computed", "offset", "admitted")
+    __slots__ = ("request", "group", "anchor", "computed", "offset")
 
-    def __init__(self, request: Request, group: str, anchor: int, admitted: int):
-        self.request, self.group, self.anchor, self.admitted = request, group, anchor, admitted
+    def __init__(self, request: Request, group: str, anchor: int):
+        self.request, self.group, self.anchor = request, group, anchor
         self.computed = request.num_computed_tokens
         self.offset = self.computed - anchor - 1
 
@@ -102,7 +104,7 @@ class Coasting:
         """`request` coasts from the step after `anchor`; its last token comes in `last_step`.
         Its blocks must end where its KV does (the next block is needed at the next multiple
         of the block size)."""
-        coaster = Coaster(request, group_name, anchor, admitted)
+        coaster = Coaster(request, group_name, anchor)
         self.members[request.request_id] = coaster
         group = self.group(group_name)
         if group.count == 0:

@@ -300,11 +300,12 @@ def _step_series(steps: list[tuple[float, int, int, float]], start: float, end: 
 def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, profiles: list[Profile], limits: Limits,
              replicas: int = 1, routing: str = "least_outstanding", slo: SLO | None = None,
              usd_per_hour: float | None = None, trace: list[TraceRow] | None = None, progress: bool = True,
-             token_times: int = TOKEN_TIMES) -> dict:
-    """A bench result (FORMAT) for the workload on `replicas` simulated replicas."""
+             token_times: int = TOKEN_TIMES, seed: int | None = None) -> dict:
+    """A bench result (FORMAT) for the workload on `replicas` simulated replicas. `seed` draws
+    the step times' jitter (default: the workload's seed)."""
     slo = slo or SLO({})
     started = time.perf_counter()
-    sim = Simulator(config, profile, replicas, routing, workload.seed, token_times)
+    sim = Simulator(config, profile, replicas, routing, workload.seed if seed is None else seed, token_times)
     stages = [sim.run_stage(workload, p, limits, trace, progress) for p in profiles]
     fleet_price = usd_per_hour if usd_per_hour is not None else (
         profile.usd_per_hour * replicas if profile.usd_per_hour is not None else None)
