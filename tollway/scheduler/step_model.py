@@ -263,8 +263,8 @@ class _Sums:
         self._pending.append((row[0], row[1], sign))
         self.count += int(sign)
 
-    def read(self) -> tuple[list[list[float]], list[float], list[float]]:
-        """A, b and the feature scales, as lists."""
+    def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of A, b and the feature scales."""
         if self._pending:
             x = np.array([p[0] for p in self._pending], dtype=float)
             y = np.array([p[1] for p in self._pending], dtype=float)
@@ -275,7 +275,7 @@ class _Sums:
             self._a += wx.T @ x
             self._b += wx.T @ y
             self._scale += (sign[:, None] * np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0)
-        return self._a.tolist(), self._b.tolist(), self._scale.tolist()
+        return self._a.copy(), self._b.copy(), self._scale.copy()
 
 
 def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[float]:
@@ -294,34 +294,21 @@ def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[
 
 
 def _normal_equations(sums: _Sums, prior, prior_weight, active) -> list[float]:
-    n = len(FEATURES)
     a, b, scales = sums.read()
-    for i in range(n):
-        scale = scales[i] / sums.count if sums.count else 0.0  # mean |x_i / y|
-        lam = prior_weight * max(scale, 1e-6) ** 2 if prior is not None else 1e-9 * (a[i][i] or 1.0)
-        a[i][i] += lam
-        b[i] += lam * (prior[i] if prior is not None else 0.0)
-        if not active[i]:  # pin to zero
-            a[i] = [0.0] * n
-            a[i][i] = 1.0
-            b[i] = 0.0
-            for r in range(n):
-                if r != i:
-                    a[r][i] = 0.0
-    return _gauss(a, b)
-
-
-def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-300:
-            continue  # a feature never seen: its coefficient stays 0
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col and m[r][col]:
-                f = m[r][col] / m[col][col]
-                for c in range(col, n + 1):
-                    m[r][c] -= f * m[col][c]
-    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
+    scale = scales / sums.count if sums.count else np.zeros_like(scales)  # mean |x_i / y|
+    if prior is not None:
+        lam = prior_weight * np.maximum(scale, 1e-6) ** 2
+        b += lam * np.asarray(prior, dtype=float)
+    else:
+        diagonal = np.diag(a)
+        lam = 1e-9 * np.where(diagonal != 0, diagonal, 1.0)
+    a += np.diag(lam)
+    pinned = ~np.asarray(active)  # to zero
+    a[pinned, :] = 0.0
+    a[:, pinned] = 0.0
+    a[pinned, pinned] = 1.0
+    b[pinned] = 0.0
+    try:
+        return np.linalg.solve(a, b).tolist()
+    except np.linalg.LinAlgError:  # a feature never seen and no prior: its coefficient stays 0
+        return np.linalg.lstsq(a, b, rcond=None)[0].tolist()
