@@ -32,7 +32,7 @@ from tollway.fleet.replica import ReplicaSpec
 from tollway.fleet.router import ReplicaState, Router
 from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
-from tollway.server.keys import Gatekeeper
+from tollway.server.keys import Gatekeeper, KeyDatabase
 from tollway.server.live_stats import LiveStats
 
 from dashboard_browser import ARTIFACTS, dashboard_page, shown_values
@@ -216,6 +216,7 @@ def fleet(tmp_path_factory):
         assert time.time() < deadline, "the ingress did not start"
         time.sleep(0.05)
     yield {"url": f"http://127.0.0.1:{port}", "fleet": fleet, "ledger": root / "ledger.sqlite",
+           "keys": root / "keys.sqlite",
            "on_loop": lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60), "ray": ray}
     uv.should_exit = True
     thread.join(10)
@@ -343,6 +344,29 @@ def test_the_dashboard_shows_both_replicas_and_fleet_totals_that_add_up(fleet):
         assert values[f"replica-{i}-state"] == "serving"
         for field in ("steps", "finished", "generated"):
             assert values[f"replica-{i}-{field}"] not in ("—", "0"), (i, field, values)
+
+
+def test_a_keys_rpm_holds_for_the_whole_fleet(fleet):
+    # The replicas on one machine share the key store's SQLite file, and count rate limits in it.
+    store, rpm = KeyDatabase(fleet["keys"]), 6
+    key = store.add("limited", ["standard"], rpm=rpm, tpm=None)
+
+    def attempt(i: int) -> tuple[str, str]:
+        limited = openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=key, timeout=60.0, max_retries=0)
+        try:
+            raw = limited.completions.with_raw_response.create(model=MODEL, prompt=prompt(800 + i, 10), max_tokens=2)
+        except openai.RateLimitError as e:
+            assert e.code == "rate_limit_exceeded" and 1 <= int(e.response.headers["Retry-After"]) <= 60
+            return e.response.headers["x-tollway-replica"], "refused"
+        return raw.headers["x-tollway-replica"], "served"
+
+    try:  # while the key exists the fleet is no longer open: the other tests' clients have none
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(attempt, range(24)))
+    finally:
+        store.revoke("limited")
+    assert [outcome for _, outcome in answers].count("served") == rpm
+    assert {replica for replica, _ in answers} == {"0", "1"}
 
 
 def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):

@@ -1,6 +1,9 @@
-"""Key checks and per-key rate limits, on a fake clock; the key store in SQLite and in PostgreSQL,
-and `tollway keys` on the fleet's database."""
+"""Key checks and per-key rate limits, on a fake clock, counted in memory and in the key store
+(SQLite and PostgreSQL), where two servers' gatekeepers share them; the key store in SQLite and
+in PostgreSQL, and `tollway keys` on the fleet's database."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -30,9 +33,18 @@ def test_open_without_keys_and_closed_with_them(store_target):
         gate.authenticate("Basic abc")
 
 
-def test_requests_per_minute_slide():
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def limits_store(request, tmp_path):
+    """Where rate limits are counted: this process's memory (None), or a key store."""
+    if request.param == "memory":
+        return None
+    return KeyDatabase(tmp_path / "keys.sqlite" if request.param == "sqlite"
+                       else request.getfixturevalue("postgres").new_database())
+
+
+def test_requests_per_minute_slide(limits_store):
     clock = Clock()
-    gate = Gatekeeper([KeySpec("k", rpm=3)], clock=clock)
+    gate = Gatekeeper([KeySpec("k", rpm=3)], limits_store, clock=clock)
     key = gate.authenticate("Bearer k")
     for _ in range(3):
         gate.admit(key, 10)
@@ -44,9 +56,9 @@ def test_requests_per_minute_slide():
     gate.admit(key, 10)
 
 
-def test_tokens_per_minute_count_prompt_and_max_tokens():
+def test_tokens_per_minute_count_prompt_and_max_tokens(limits_store):
     clock = Clock()
-    gate = Gatekeeper([KeySpec("k", tpm=100)], clock=clock)
+    gate = Gatekeeper([KeySpec("k", tpm=100)], limits_store, clock=clock)
     key = gate.authenticate("Bearer k")
     gate.admit(key, 60)
     clock.now += 5
@@ -58,6 +70,46 @@ def test_tokens_per_minute_count_prompt_and_max_tokens():
         gate.admit(key, 101)  # could never fit: no point retrying
     clock.now = 160.0
     gate.admit(key, 20)
+
+
+def test_servers_on_one_store_share_the_limits_under_concurrent_requests(store_target):
+    rpm, tpm, each = 25, 1000, 30
+    keys = [KeySpec("sk-rpm", rpm=rpm), KeySpec("sk-tpm", tpm=tpm)]
+    gates = [Gatekeeper(keys, KeyDatabase(store_target)) for _ in range(2)]  # two servers
+    admitted, retry_after, lock = {"sk-rpm": 0, "sk-tpm": 0}, set(), threading.Lock()
+
+    def hammer(worker: int) -> None:
+        for i in range(each):
+            key = keys[(worker + i) % 2]
+            try:
+                gates[i % 2].admit(key, 40)
+            except APIError as e:
+                assert e.status == 429
+                with lock:
+                    retry_after.add(e.headers["Retry-After"])
+                continue
+            with lock:
+                admitted[key.key] += 1
+
+    threads = [threading.Thread(target=hammer, args=(w,)) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert admitted == {"sk-rpm": rpm, "sk-tpm": tpm // 40}
+    assert retry_after and all(60 >= int(s) >= 50 for s in retry_after)  # the first admissions age out
+
+
+def test_old_admissions_leave_no_rows(store_target):
+    clock = Clock()
+    store = KeyDatabase(store_target)
+    gate = Gatekeeper([KeySpec("quiet", rpm=5), KeySpec("busy", rpm=5)], store, clock=clock)
+    for name in ("quiet", "busy", "busy"):
+        gate.admit(gate.authenticate(f"Bearer {name}"), 1)
+    clock.now += 61
+    gate.admit(gate.authenticate("Bearer busy"), 1)  # sweeps the quiet key; drops busy's own old ones
+    rows = store.database.query("SELECT COUNT(*), COUNT(DISTINCT sha256) FROM rate_admissions")[0]
+    assert rows == (1, 1) and store.database.query("SELECT COUNT(*) FROM rate_keys")[0][0] == 1
 
 
 def test_entitlements():

@@ -156,6 +156,10 @@ class KeySpec:
     tpm: int | None = None  # tokens per minute (prompt + max_tokens, counted when a request arrives)
     admin: bool = False  # may open /dashboard (operators' view: every lane, every key's budget)
 
+    @property
+    def limited(self) -> bool:
+        return self.rpm is not None or self.tpm is not None
+
     def validate(self) -> None:
         if not self.key:
             raise ValueError("an API key cannot be empty")

@@ -161,7 +161,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
             except BudgetExceeded as e:
                 raise APIError(429, str(e), code="budget_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
         try:
-            gatekeeper.admit(key, prompt_tokens + most_tokens)
+            if key is not None and key.limited:  # a transaction in the key store's database: off the event loop
+                await asyncio.to_thread(gatekeeper.admit, key, prompt_tokens + most_tokens)
             if meter is not None:
                 gen.metered = True
                 meter.watch(gen.request_ids(len(prompts) * req.n))

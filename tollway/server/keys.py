@@ -2,26 +2,22 @@
 
 Keys come from the config file's [[keys]] and from a store that `tollway keys` manages (a
 SQLite file, or the fleet's PostgreSQL database; it keeps only a SHA-256 of each key). With no
-keys anywhere the server is open, as vLLM is without --api-key. Limits are sliding 60-second
-windows per key: requests, and tokens counted as prompt + max_tokens when a request arrives
-(as OpenAI counts them).
+keys anywhere the server is open, as vLLM is without --api-key. A key's rpm and tpm limits are
+counted in the store's database, shared by every server on it (rate_limits.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from tollway.config import TIERS, KeySpec
 from tollway.server.errors import APIError
+from tollway.server.rate_limits import DatabaseLimits, MemoryLimits
 from tollway.storage.database import Database, as_database
-
-WINDOW = 60.0
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS keys (
     sha256 TEXT PRIMARY KEY, name TEXT NOT NULL, tiers TEXT NOT NULL, rpm INTEGER, tpm INTEGER,
@@ -67,13 +63,11 @@ class Gatekeeper:
     """Authenticates a request's key, picks the tier it may have, and applies its limits."""
 
     def __init__(self, keys: list[KeySpec], database: KeyDatabase | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.time):
+        """`database`: the key store, where rate limits are counted too (None: in this process)."""
         self._keys = {k.key: k for k in keys}
         self.database = database
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._requests: dict[str, deque[float]] = {}
-        self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._limits = DatabaseLimits(database.database, clock) if database else MemoryLimits(clock)
 
     @property
     def open(self) -> bool:
@@ -114,37 +108,5 @@ class Gatekeeper:
 
     def admit(self, key: KeySpec | None, tokens: int) -> None:
         """Count a request of `tokens` against the key's limits, or refuse it with 429."""
-        if key is None or (key.rpm is None and key.tpm is None):
-            return
-        now = self.clock()
-        with self._lock:
-            requests = self._requests.setdefault(key.key, deque())
-            used = self._tokens.setdefault(key.key, deque())
-            while requests and requests[0] <= now - WINDOW:
-                requests.popleft()
-            while used and used[0][0] <= now - WINDOW:
-                used.popleft()
-            if key.rpm is not None and len(requests) >= key.rpm:
-                self._refuse("requests", key.rpm, requests[0] + WINDOW - now)
-            if key.tpm is not None and sum(n for _, n in used) + tokens > key.tpm:
-                if tokens > key.tpm:
-                    raise APIError(429, f"this request needs {tokens} tokens, more than the key's {key.tpm} per minute",
-                                   code="rate_limit_exceeded")
-                self._refuse("tokens", key.tpm, self._tokens_free_at(used, tokens, key.tpm) - now)
-            requests.append(now)
-            used.append((now, tokens))
-
-    @staticmethod
-    def _tokens_free_at(used: deque, tokens: int, limit: int) -> float:
-        total = sum(n for _, n in used)
-        for t, n in used:  # oldest first: when enough has aged out of the window
-            total -= n
-            if total + tokens <= limit:
-                return t + WINDOW
-        return used[-1][0] + WINDOW
-
-    @staticmethod
-    def _refuse(what: str, limit: int, wait: float) -> None:
-        seconds = max(1, int(wait + 0.999))
-        raise APIError(429, f"rate limit reached: {limit} {what} per minute; retry in {seconds} s",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+        if key is not None and key.limited:
+            self._limits.admit(_digest(key.key), key.rpm, key.tpm, tokens)
