@@ -5,6 +5,8 @@ kills a replica runs after the others but the one that looks at the dead replica
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import sqlite3
 import statistics
@@ -24,7 +26,7 @@ from tollway.bench.stats import percentile
 from tollway.cli import main, server_parts
 from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
 from tollway.fleet.dashboard import merge
-from tollway.fleet.fleet import Fleet
+from tollway.fleet.fleet import Fleet, replica_resources
 from tollway.fleet.ingress import create_ingress
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
@@ -104,6 +106,16 @@ def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
     assert main(["serve", "--replicas", "2"]) == 2
     assert "pip install 'tollway[ray]'" in capsys.readouterr().err
+
+
+def test_a_replica_asks_ray_for_a_gpu_only_when_it_runs_on_cuda():
+    def asks(device: str, gpus: float) -> dict:
+        return replica_resources(EngineConfig(device=device, num_threads=4), {"CPU": 16.0, "GPU": gpus}, 2)
+
+    assert asks("cpu", 8) == {"num_cpus": 4, "num_gpus": 0}
+    assert asks("cuda", 0)["num_gpus"] == 1  # Ray then says it cannot place it, rather than running on CPU
+    assert asks("auto", 2)["num_gpus"] == 1 and asks("auto", 1)["num_gpus"] == 0
+    assert replica_resources(EngineConfig(device="cpu", num_threads=8), {"CPU": 4.0}, 2)["num_cpus"] == 2
 
 
 def replica_data(timeline: dict | None = None, **tpot: list[float]) -> dict:
@@ -367,6 +379,29 @@ def test_a_keys_rpm_holds_for_the_whole_fleet(fleet):
         store.revoke("limited")
     assert [outcome for _, outcome in answers].count("served") == rpm
     assert {replica for replica, _ in answers} == {"0", "1"}
+
+
+def test_every_replica_serves_the_batch_api_and_runs_its_jobs(fleet):
+    replicas = [openai.OpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
+                for r in fleet["fleet"].router.replicas]
+    jobs = []
+    for i, client in enumerate(replicas):  # a job handed straight to each replica
+        lines = "".join(json.dumps({"custom_id": f"r{i}-{n}", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": MODEL, "prompt": prompt(900 + 10 * i + n, 8), "max_tokens": 3}})
+                        + "\n" for n in range(3))
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+        jobs.append(client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                          completion_window="24h").id)
+    through_ingress = openai.OpenAI(base_url=fleet["url"] + "/v1", api_key="unused", max_retries=0)
+    deadline = time.time() + 120
+    while any(through_ingress.batches.retrieve(j).status != "completed" for j in jobs):
+        assert time.time() < deadline, [through_ingress.batches.retrieve(j).status for j in jobs]
+        time.sleep(0.5)
+    for i, job in enumerate(jobs):  # the other replica sees the same job, and its output
+        batch = replicas[1 - i].batches.retrieve(job)
+        assert batch.request_counts.completed == 3
+        output = replicas[1 - i].files.content(batch.output_file_id).text.splitlines()
+        assert sorted(json.loads(x)["custom_id"] for x in output) == [f"r{i}-{n}" for n in range(3)]
 
 
 def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):

@@ -57,20 +57,20 @@ class Fleet:
             else:  # a local instance, sized to this machine
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
                 self._own_ray = True
-        cores = ray.cluster_resources().get("CPU", 1.0)
+        cluster = ray.cluster_resources()
         config = copy.deepcopy(self.spec.config)
         # The replicas share the cores rather than each taking all of them.
-        config.num_threads = config.num_threads or max(1, int(cores // self.size))
+        config.num_threads = config.num_threads or max(1, int(cluster.get("CPU", 1.0) // self.size))
         spec = dataclasses.replace(self.spec, config=config)
-        actor = ray.remote(Replica).options(num_cpus=min(config.num_threads, cores / self.size), max_concurrency=4)
+        actor = ray.remote(Replica).options(**replica_resources(config, cluster, self.size), max_concurrency=4)
         # Replicas on this machine only listen on loopback; joining a cluster, on their node's address.
         host = None if self.ray_address else LOOPBACK
         try:
             # The first replica alone first: it measures what a first start measures (kernel
             # crossover, step profile) into the shared cache, and the others read it there.
-            self.actors = [actor.remote(spec, True, host)]
+            self.actors = [actor.remote(spec, host)]
             ray.get(self.actors[0].address.remote())
-            self.actors += [actor.remote(spec, False, host) for _ in range(1, self.size)]
+            self.actors += [actor.remote(spec, host) for _ in range(1, self.size)]
             urls = ray.get([a.address.remote() for a in self.actors])
             loads = ray.get([a.load.remote() for a in self.actors])
         except Exception as e:
@@ -121,7 +121,9 @@ class Fleet:
         self.router.replicas[index].draining = False
 
     def home(self) -> ReplicaState | None:
-        """Where requests other than completions go: replica 0 runs the Batch API's jobs."""
+        """Where requests other than completions go: the first live replica. Every replica
+        serves the Batch API and runs its jobs, each job on one replica at a time (claimed in
+        the shared store), so they move to another when theirs dies."""
         return next((r for r in self.router.replicas if r.alive), None)
 
     def shutdown(self) -> None:
@@ -130,6 +132,13 @@ class Fleet:
             self._ray.kill(actor)
         if self._own_ray:
             self._ray.shutdown()
+
+
+def replica_resources(config, cluster: dict, size: int) -> dict:
+    """What each replica asks Ray for: its share of the cores, and a GPU of its own when it
+    runs on CUDA ("auto" does when the cluster has a GPU for every replica)."""
+    wants_gpu = config.device == "cuda" or (config.device == "auto" and cluster.get("GPU", 0) >= size)
+    return {"num_cpus": min(config.num_threads, cluster.get("CPU", 1.0) / size), "num_gpus": 1 if wants_gpu else 0}
 
 
 def serve_fleet(spec: ReplicaSpec, replicas: int, ray_address: str | None, host: str, port: int) -> int:

@@ -10,8 +10,7 @@ connection closes when its process dies, and the fleet kills a replica that stop
 its load polls.
 
 /dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
-the Batch API, the /dashboard page) goes to the batch home replica, the one that runs Batch API
-jobs, or to any live one if it is gone.
+the Batch API, the /dashboard page) goes to the first live replica: they share one store.
 """
 from __future__ import annotations
 

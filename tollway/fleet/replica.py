@@ -109,7 +109,7 @@ class ReplicaSpec:
 class Replica:
     """The Ray actor's class (fleet.py applies ray.remote to it)."""
 
-    def __init__(self, spec: ReplicaSpec, batch_home: bool, host: str | None):
+    def __init__(self, spec: ReplicaSpec, host: str | None):
         """`host`: the address to listen on; None: this node's, as Ray knows it (for a cluster)."""
         import ray
         import uvicorn
@@ -121,8 +121,8 @@ class Replica:
         metrics = Metrics(spec.model_name)
         gatekeeper, meter, batch_store = spec.build(spec.server, spec.config)
         self.engine = ReplicaEngine(Engine(spec.config, progress=False), on_step=metrics.on_step)
-        # One replica runs the Batch API: its runner owns the jobs.
-        app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store if batch_home else None, meter)
+        # Every replica runs Batch API jobs; the shared store gives each job to one at a time.
+        app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store, meter)
         host = host or ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
