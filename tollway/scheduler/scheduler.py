@@ -146,7 +146,6 @@ class Scheduler:
         self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
-        self._kv_reserved = sum(self._reserved["kv"].values())  # bounds any tier's _reserve_against
         # The pool bounds a tier's longest request as max_model_len does: a lone request must
         # always fit once everything else is preempted, or it could never finish. Its last token
         # needs no KV, hence the + 1.
@@ -485,8 +484,7 @@ class Scheduler:
         needing = coasters.needing_blocks(t)
         if needing:
             need = sum(needing.values())
-            free = self.pool.num_free
-            if need > free - self._kv_reserved and need > free - max(map(self._reserve_against, self.tiers)):
+            if need > self.pool.num_free - max(map(self._reserve_against, self.tiers)):
                 return False
             self.pool.promise(need)  # block ids are handed out when each coaster wakes
             for tier, count in needing.items():

@@ -36,7 +36,6 @@ FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
 HEADROOM_EVERY = 16
-REBUILD_SUMS_EVERY = 4096  # steps observed between exact rebuilds of the refit's sums
 
 
 class StepShape(NamedTuple):
@@ -117,10 +116,8 @@ class StepTimeModel:
         self._window: dict[str, deque[tuple[tuple[float, ...], float]]] = {
             k: deque(maxlen=window) for k in coefficients}
         self._base: dict[str, list[tuple[tuple[float, ...], float]]] = {k: [] for k in coefficients}
-        # The normal equations of base + window, kept as rows come and go, so that a refit
-        # solves a 5x5 system instead of re-reading hundreds of rows: the engine refits every
-        # 16 steps, and the simulator as often for each replica it runs.
-        self._sums: dict[str, _Sums] = {k: _Sums() for k in coefficients}
+        # The base rows' normal equations, summed once: a refit adds the window's (numpy).
+        self._base_sums: dict[str, _Sums] = {k: _Sums.of([]) for k in coefficients}
         self._since_refit = 0
         # (predicted, measured / predicted) of the latest steps, per kernel
         self._overruns: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in coefficients}
@@ -144,7 +141,7 @@ class StepTimeModel:
         # all look alike and leave some directions unconstrained.
         model._base = {k: [row for row in rows if _relative_residual(fitted[k], row) <= 1.0]
                        for k, rows in by_kernel.items()}
-        model._rebuild_sums()
+        model._base_sums = {k: _Sums.of(rows) for k, rows in model._base.items()}
         return model
 
     def predict(self, shape: StepShape, kernel: str | None = None) -> float:
@@ -166,14 +163,8 @@ class StepTimeModel:
         if predicted > 0:
             self._overruns[shape.kernel].append((predicted, seconds / predicted))
         self.error_by_kernel[shape.kernel].add(predicted, seconds)
-        window, sums, row = self._window[shape.kernel], self._sums[shape.kernel], (shape.features(), seconds)
-        if len(window) == window.maxlen:
-            sums.add(window[0], -1.0)  # about to drop out of the window
-        window.append(row)
-        sums.add(row, 1.0)
+        self._window[shape.kernel].append((shape.features(), seconds))
         self._observed += 1
-        if self._observed % REBUILD_SUMS_EVERY == 0:  # bound the rounding that adding and removing leaves
-            self._rebuild_sums()
         if self._observed % HEADROOM_EVERY == 0:
             self._headroom.clear()
         self._since_refit += 1
@@ -208,11 +199,9 @@ class StepTimeModel:
         self._since_refit = 0
         for kernel, rows in self._window.items():
             if rows:
-                self.coefficients[kernel] = _solve(self._sums[kernel], self.prior[kernel], self.prior_weight)
+                sums = self._base_sums[kernel] + _Sums.of(rows)
+                self.coefficients[kernel] = _solve(sums, self.prior[kernel], self.prior_weight)
         self.monotone = all(x >= 0 for c in self.coefficients.values() for x in c)
-
-    def _rebuild_sums(self) -> None:
-        self._sums = {k: _Sums.of(self._base[k] + list(self._window[k])) for k in self.coefficients}
 
     def to_dict(self) -> dict:
         return {"features": list(FEATURES), "coefficients": {k: list(c) for k, c in self.coefficients.items()},
@@ -239,43 +228,26 @@ def _valid(seconds: float) -> bool:
     return math.isfinite(seconds) and seconds > 0
 
 
-class _Sums:
+class _Sums(NamedTuple):
     """Weighted least squares on relative error, as sums over rows (x, y): A = sum w x x^T,
     b = sum w x y with w = 1/y^2, and sum |x_j / y| (each feature's typical size, for the
-    ridge's units). Rows can be added and taken away; they are summed in bulk when the sums
-    are read (every refit), since a row at a time in Python was a large simulation's biggest
-    cost per step."""
+    ridge's units), over `count` rows."""
 
-    def __init__(self):
-        n = len(FEATURES)
-        self._a, self._b, self._scale = np.zeros((n, n)), np.zeros(n), np.zeros(n)
-        self._pending: list[tuple[tuple[float, ...], float, float]] = []
-        self.count = 0
+    a: np.ndarray
+    b: np.ndarray
+    scale: np.ndarray
+    count: int
 
     @classmethod
-    def of(cls, rows: list[tuple[tuple[float, ...], float]]) -> _Sums:
-        sums = cls()
-        for row in rows:
-            sums.add(row, 1.0)
-        return sums
+    def of(cls, rows) -> _Sums:
+        n = len(FEATURES)
+        x = np.array([row[0] for row in rows], dtype=float).reshape(-1, n)
+        y = np.array([row[1] for row in rows], dtype=float)
+        wx = x * np.where(y > 0, 1.0 / np.where(y > 0, y * y, 1.0), 1.0)[:, None]
+        return cls(wx.T @ x, wx.T @ y, (np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0), len(rows))
 
-    def add(self, row: tuple[tuple[float, ...], float], sign: float) -> None:
-        self._pending.append((row[0], row[1], sign))
-        self.count += int(sign)
-
-    def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of A, b and the feature scales."""
-        if self._pending:
-            x = np.array([p[0] for p in self._pending], dtype=float)
-            y = np.array([p[1] for p in self._pending], dtype=float)
-            sign = np.array([p[2] for p in self._pending], dtype=float)
-            self._pending.clear()
-            w = np.where(y > 0, sign / np.where(y > 0, y * y, 1.0), sign)
-            wx = x * w[:, None]
-            self._a += wx.T @ x
-            self._b += wx.T @ y
-            self._scale += (sign[:, None] * np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0)
-        return self._a.copy(), self._b.copy(), self._scale.copy()
+    def __add__(self, other: _Sums) -> _Sums:
+        return _Sums(self.a + other.a, self.b + other.b, self.scale + other.scale, self.count + other.count)
 
 
 def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[float]:
@@ -294,8 +266,8 @@ def _solve(sums: _Sums, prior: list[float] | None, prior_weight: float) -> list[
 
 
 def _normal_equations(sums: _Sums, prior, prior_weight, active) -> list[float]:
-    a, b, scales = sums.read()
-    scale = scales / sums.count if sums.count else np.zeros_like(scales)  # mean |x_i / y|
+    a, b = sums.a.copy(), sums.b.copy()
+    scale = sums.scale / sums.count if sums.count else np.zeros_like(sums.scale)  # mean |x_i / y|
     if prior is not None:
         lam = prior_weight * np.maximum(scale, 1e-6) ** 2
         b += lam * np.asarray(prior, dtype=float)

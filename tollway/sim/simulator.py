@@ -221,13 +221,8 @@ class Simulator:
             else:
                 self._arrive(stage)  # before the replica plans its next step, as the engine's callers do
 
-    def _next_token(self) -> int:
-        """Output tokens that do not repeat within a request, so that n-gram drafts find nothing."""
-        self._token = (self._token * 1103515245 + 12345) % (1 << 31)
-        return 1000 + self._token % 199_000
-
     def _stand_in_tokens(self, count: int) -> range:
-        """Tokens for a coaster catching up: a run of distinct ids (nothing reads them)."""
+        """Output tokens: runs of distinct ids (speculation is off, and nothing else reads them)."""
         self._token = (self._token + count) % 199_000
         return range(1000 + self._token, 1000 + self._token + count)
 
@@ -261,7 +256,7 @@ class Simulator:
             if rid != READINESS:  # readiness is billed to the next fast request; here, dropped
                 self._live[rid][0].engine_seconds += seconds
         replica.log.record(plan.step_id, self.now, split, coefficients)
-        tokens = {s.request_id: [SampledToken(self._next_token())] for s in plan.seqs if s.sample}
+        tokens = {s.request_id: [SampledToken(self._stand_in_tokens(1)[0])] for s in plan.seqs if s.sample}
         changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
         for request in changed:
             record, _, stage = self._live[request.request_id]

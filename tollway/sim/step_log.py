@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 
-from tollway.meter.attribution import Shares
+from tollway.meter.attribution import Shares, decode_work
 
 
 class StepLog:
@@ -19,9 +19,7 @@ class StepLog:
         self._sums = {fast: [array("d", [0.0]) for _ in range(3)] for fast in (False, True)}
 
     def record(self, step_id: int, end: float, shares: Shares, coefficients: list[float]) -> None:
-        _, per_token, per_row, per_pair, _ = coefficients
-        b = per_pair / 1000
-        a = per_token + per_row + b
+        a, b = decode_work(coefficients, 1, 1), decode_work(coefficients, 0, 1)  # one decode at p: a + b * p
         while len(self.ends) < step_id:  # ids of plans that ran nothing: nothing coasts through them
             self.ends.append(self.ends[-1])
             for sums in self._sums.values():
