@@ -1,7 +1,8 @@
 """tollway serve --replicas: the routing policy, the merged metrics and the merged dashboard on
-their own, then a real local Ray instance with two replicas of the default model behind the
-tier-aware router, driven by the official openai client. One fleet for the module; the test that
-kills a replica runs after the others but the one that looks at the dead replica's dashboard."""
+their own, then a real local Ray instance with two replicas of the default model as a Ray Serve
+deployment whose request router is the tier-aware policy, driven by the official openai client.
+One fleet for the module; the test that kills a replica runs after the others but the two that
+look at the dead replica's dashboard and at the replica Serve starts in its place."""
 from __future__ import annotations
 
 import asyncio
@@ -146,7 +147,7 @@ def test_fleet_dashboard_merges_percentiles_from_samples_and_keeps_idle_replicas
 
 
 class Rayless(Fleet):
-    """A Fleet over replicas that are plain servers: no Ray, no load polls (the loads stay as given)."""
+    """A Fleet over replicas that are plain servers: no Ray, no Serve (the loads stay as given)."""
 
     def __init__(self, urls: list[str]):
         super().__init__(None, len(urls))
@@ -155,8 +156,11 @@ class Rayless(Fleet):
             replica.url = url
         self.metrics = FleetMetrics(self.router)
 
-    async def watch(self) -> None:
-        await asyncio.Event().wait()
+    async def connect(self) -> None:
+        pass
+
+    async def disconnect(self) -> None:
+        pass
 
 
 def dashboard_only(gatekeeper: Gatekeeper) -> FastAPI:
@@ -293,6 +297,38 @@ def test_mixed_lanes_spread_over_both_replicas_and_fast_keeps_its_advantage(flee
     assert 'tollway:router_requests_total{reason="fast_capacity"' in text
 
 
+def test_serve_runs_the_replicas_and_its_request_router_is_tollways_policy(fleet):
+    from ray import serve
+
+    deployment = serve.status().applications["tollway"].deployments["Replica"]
+    assert deployment.status == "HEALTHY" and deployment.replica_states.get("RUNNING") == 2
+    # Fast: with one replica's fast slot held by a fast stream, the next fast request goes to the other.
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(stream, fleet, prompt(1100), "priority", 16)
+        fleet_router = fleet["fleet"].router
+        deadline = time.time() + 30
+        while not any(r.fast_free == 0 for r in fleet_router.replicas):
+            assert time.time() < deadline, "the fast stream never started"
+            time.sleep(0.02)
+        busy = next(r.index for r in fleet_router.replicas if r.fast_free == 0)
+        other = client(fleet).completions.with_raw_response.create(
+            model=MODEL, prompt=prompt(1101, 10), max_tokens=2, extra_body={"service_tier": "priority"})
+        assert other.headers["x-tollway-replica"] == str(1 - busy)
+        assert held.result()["error"] is None
+    # Standard: requests that share a long prefix follow it to the replica that holds it in cache
+    # (each sent once the replicas' reports cover the one before, so that the loads are even).
+    shared = "You are a helpful assistant who answers in one short sentence. " * 20  # 1280 characters
+    landed = set()
+    for i in range(3):
+        landed.add(stream(fleet, shared + f"Question {i}?", "default", 2)["replica"])
+        done = time.time()
+        while min(r.asked for r in fleet_router.replicas) < done:
+            time.sleep(0.05)
+    assert len(landed) == 1
+    text = httpx.get(fleet["url"] + "/metrics").text
+    assert 'tollway:router_requests_total{reason="prefix"' in text  # counted where Serve asked the policy
+
+
 def test_a_drained_replica_sheds_its_queue_to_the_other(fleet):
     routed_before = dict(ledger_rows(fleet))
     with ThreadPoolExecutor(24) as pool:
@@ -415,7 +451,8 @@ def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_
             assert time.time() < deadline, "the load never reached both replicas"
             time.sleep(0.05)
         time.sleep(1.0)
-        fleet["ray"].kill(fleet["fleet"].actors[1])
+        ray = fleet["ray"]
+        ray.kill(ray.get_actor(replicas[1].actor_name, namespace="serve"))
         started = time.time()
         streams = [f.result() for f in streams]
         plain = [f.result() for f in plain]
@@ -429,20 +466,36 @@ def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_
     assert all(p.choices[0].text for p in plain)  # queued there or not, each plain request was served
     rows = ledger_rows(fleet)
     assert {r["id"] for r in on_live} | {p.id for p in plain} <= set(rows)
-    # The fleet carries on with one replica.
+    # The fleet carries on without it (Serve starts a replacement, which joins as replica 2).
     health = httpx.get(fleet["url"] + "/health").json()
-    assert [r["alive"] for r in health["replicas"]] == [True, False]
+    assert [r["alive"] for r in health["replicas"][:2]] == [True, False]
     after = stream(fleet, prompt(600), "default", 8)
-    assert after["error"] is None and after["replica"] == "0"
+    assert after["error"] is None and after["replica"] != "1"
 
 
 def test_the_dashboard_shows_a_dead_replica_as_dead(fleet):
     d = httpx.get(fleet["url"] + "/dashboard/data").json()
-    live, dead = d["replicas"]
+    live, dead = d["replicas"][:2]  # then Serve's replacement, once it has joined
     assert (dead["state"], dead["answered"], dead["totals"], dead["outstanding_tokens"]) == ("dead", False, None, None)
-    assert live["state"] == "serving" and d["totals"] == live["totals"]  # the dead one's figures left with it
+    assert live["state"] == "serving"
+    answered = [r for r in d["replicas"] if r["answered"]]
+    assert d["totals"]["steps"] == sum(r["totals"]["steps"] for r in answered)  # the dead one's figures left with it
     with dashboard_page(fleet["url"]) as (view, problems):
         values = shown_values(view)
     assert problems == {"errors": [], "elsewhere": [], "failed": []}
     assert values["replica-0-state"] == "serving" and values["replica-1-state"] == "dead"
     assert values["replica-1-steps"] == "—" and values["replica-0-steps"] != "—"
+
+
+def test_serve_replaces_the_dead_replica_and_the_router_sends_it_work(fleet):
+    from ray import serve
+
+    replicas = fleet["fleet"].router.replicas
+    deadline = time.time() + 120
+    while len(replicas) < 3 or not replicas[2].routable:
+        assert time.time() < deadline, [r.state for r in replicas]
+        time.sleep(0.25)
+    assert serve.status().applications["tollway"].deployments["Replica"].replica_states.get("RUNNING") == 2
+    assert [r.state for r in replicas] == ["serving", "dead", "serving"]
+    served = {stream(fleet, prompt(1000 + i), "default", 4)["replica"] for i in range(4)}
+    assert served == {"0", "2"}

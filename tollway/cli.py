@@ -42,7 +42,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
     serve.add_argument("--data-dir", help=f"Batch API files and jobs (default {user_data_dir('tollway')})")
     serve.add_argument("--database-url", help=DATABASE_URL_HELP)
-    serve.add_argument("--replicas", type=int, help="run N engines on Ray behind a tier-aware router (needs tollway[ray])")
+    serve.add_argument("--replicas", type=int,
+                       help="run N engines as a Ray Serve deployment behind the tier-aware router (needs tollway[ray])")
     serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
     add_engine_arguments(serve)
     keys = sub.add_parser("keys", help="manage API keys in the key store")

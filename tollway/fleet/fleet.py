@@ -1,15 +1,18 @@
-"""`tollway serve --replicas N`: N replicas on Ray, and the router and its HTTP front.
+"""`tollway serve --replicas N`: N replicas as a Ray Serve deployment, and the router and its
+HTTP front.
 
-Each replica is a plain Ray actor (replica.py) rather than a Ray Serve deployment. A Serve
-handle picks the replica itself (power of two choices on queue length), and tier-aware
-routing needs the router to pick each request's replica from the replicas' lane loads: Serve
-offers that only through an alpha custom-router API. Serve would also run a controller and
-an HTTP proxy actor per node, which on a small machine compete with the engines for cores.
-Actors give the router what it needs from Ray: placement (CPUs per replica, on any node of a
-cluster), handles to poll each replica's load and to drain it, and death detection. Each
-actor serves the tollway API itself and the ingress proxies HTTP to the one the router picks
-(as SGLang's router fronts its workers), so a replica meters, records and authenticates its
-requests exactly as a single `tollway serve` does.
+The replicas are one Serve deployment of replica.py's class: Serve places them (CPUs per
+replica, a GPU each on CUDA, on any node of a cluster), polls each one's load and health, and
+replaces one that dies. Which replica serves a request is tollway's tier-aware policy
+(router.py), run as the deployment's request router (serve_router.py) on the ingress's event
+loop: for each request the ingress calls the deployment through its handle with the
+request's RoutingHint, the router picks the replica, and that replica answers with its id; the
+ingress then proxies the HTTP request to that replica's own tollway API (as SGLang's router
+fronts its workers). So a replica meters, records and authenticates its requests exactly as a
+single `tollway serve` does, and streams pass straight from it to the client.
+
+Serve's HTTP proxy is off (the ingress is the front, and a proxy actor per node would compete
+with the engines for cores); its controller is one actor, which takes no CPU from Ray's count.
 """
 from __future__ import annotations
 
@@ -19,38 +22,52 @@ import dataclasses
 import os
 import sys
 
+import httpx
+
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import Replica, ReplicaSpec
-from tollway.fleet.router import ReplicaState, Router
+from tollway.fleet.router import ReplicaState, Router, RoutingHint
 
 LOOPBACK = "127.0.0.1"
+APP = "tollway"  # the Serve application (and its one deployment, Replica)
+HEALTH_CHECK_SECONDS = 2.0  # how often Serve checks that each replica's engine still runs
+REPORT_SECONDS = 0.25  # how often Serve polls each replica's load for the router
+FIRST_REPORT_SECONDS = 60.0  # the replicas run once Serve says so; their reports reach the router within this
+CHOOSE_SECONDS = 30.0  # a routing call that takes longer is failed, and tried again
+ANSWER_SECONDS = 10.0  # a replica that does not answer its /health within this is lost
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs: not a line per request
 
 
 def import_ray():
     try:
         import ray
+        from ray import serve  # noqa: F401 -- Serve comes with ray[serve], not with ray alone
     except ImportError:
-        raise ValueError("--replicas runs the replicas on Ray: pip install 'tollway[ray]'") from None
+        raise ValueError("--replicas runs the replicas on Ray Serve: pip install 'tollway[ray]'") from None
     return ray
 
 
 class Fleet:
-    def __init__(self, spec: ReplicaSpec, replicas: int, ray_address: str | None = None,
-                 poll_seconds: float = 0.25, poll_timeout: float = 30.0):
+    serving: dict[str, Fleet] = {}  # by Serve application: where its request router finds the fleet
+
+    def __init__(self, spec: ReplicaSpec, replicas: int, ray_address: str | None = None):
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         self.spec, self.size, self.ray_address = spec, replicas, ray_address
-        self.poll_seconds, self.poll_timeout = poll_seconds, poll_timeout
-        self.actors: list = []
-        self.router: Router | None = None
-        self.metrics: FleetMetrics | None = None
+        self.router = Router([])
+        self.metrics = FleetMetrics(self.router)
+        self.handle = None
         self._ray = None
         self._own_ray = False
+        self._deployed = False  # the application is (being) deployed: shutdown deletes it
         self._closing = False
 
     def start(self) -> None:
-        """Start Ray (or join it), then the replicas; returns once every replica serves."""
+        """Start Ray (or join it) and Serve, then the replicas; returns once every replica serves."""
         ray = self._ray = import_ray()
+        from ray import serve
+        from ray.serve.config import RequestRouterConfig
+
         if not ray.is_initialized():
             if self.ray_address:
                 ray.init(address=self.ray_address)
@@ -62,76 +79,106 @@ class Fleet:
         # The replicas share the cores rather than each taking all of them.
         config.num_threads = config.num_threads or max(1, int(cluster.get("CPU", 1.0) // self.size))
         spec = dataclasses.replace(self.spec, config=config)
-        actor = ray.remote(Replica).options(**replica_resources(config, cluster, self.size), max_concurrency=4)
         # Replicas on this machine only listen on loopback; joining a cluster, on their node's address.
         host = None if self.ray_address else LOOPBACK
+        resources = replica_resources(config, cluster, self.size)
+        Fleet.serving[APP] = self
+        deployment = serve.deployment(
+            Replica, num_replicas=self.size, ray_actor_options=resources,
+            # A call is the router's choice only (the request itself goes over HTTP): never queue one.
+            max_ongoing_requests=10_000, health_check_period_s=HEALTH_CHECK_SECONDS,
+            graceful_shutdown_timeout_s=1.0, logging_config=QUIET, request_router_config=RequestRouterConfig(
+                request_router_class="tollway.fleet.serve_router.TierRequestRouter",
+                request_router_kwargs={"fleet": APP}, request_routing_stats_period_s=REPORT_SECONDS))
         try:
-            # The first replica alone first: it measures what a first start measures (kernel
-            # crossover, step profile) into the shared cache, and the others read it there.
-            self.actors = [actor.remote(spec, host)]
-            ray.get(self.actors[0].address.remote())
-            self.actors += [actor.remote(spec, host) for _ in range(1, self.size)]
-            urls = ray.get([a.address.remote() for a in self.actors])
-            loads = ray.get([a.load.remote() for a in self.actors])
+            # One engine starts alone first: it measures what a first start measures (kernel
+            # crossover, step profile) into the shared cache, and the replicas read it there
+            # rather than each measure while they share the cores.
+            measured = ray.remote(start_engine).options(**resources).remote(config)
+            serve.start(proxy_location="Disabled", logging_config=QUIET)
+            ray.get(measured)
+            self._deployed = True
+            serve.run(deployment.bind(spec, host), name=APP, route_prefix=None)
         except Exception as e:
             self.shutdown()
             raise ValueError(f"a replica did not start: {e}") from None
-        self.router = Router([ReplicaState(i, url, load, 0.0) for i, (url, load) in enumerate(zip(urls, loads))])
-        self.metrics = FleetMetrics(self.router)
 
-    async def watch(self) -> None:
-        """Poll every live replica's load, for ever (the ingress runs it as a task)."""
-        while True:
-            await asyncio.gather(*(self._poll(r) for r in self.router.replicas if r.alive))
-            await asyncio.sleep(self.poll_seconds)
+    async def connect(self) -> None:
+        """Take the deployment's handle, its request router on this event loop (the ingress's,
+        where the policy's state is read and changed), and wait until every replica has
+        reported."""
+        from ray import serve
 
-    async def _poll(self, replica: ReplicaState) -> None:
-        asked = self.router.clock()
-        try:
-            load = await asyncio.wait_for(self.actors[replica.index].load.remote(), self.poll_timeout)
-        except Exception:  # noqa: BLE001 -- dead, its engine dead, or hung: out of the fleet either way
-            self._lost(replica)
-            return
-        self.router.reported(replica, load, asked)
+        self.handle = serve.get_deployment_handle(Replica.__name__, APP)
+        # The router runs on the caller's loop, not on a thread of Serve's: the policy's state
+        # then has one writer, and the ingress's waits wake on their own loop.
+        self.handle._init(_run_router_in_separate_loop=False)
+        deadline = asyncio.get_running_loop().time() + FIRST_REPORT_SECONDS
+        while len(self.router.replicas) < self.size:
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError("the replicas did not report")
+            await asyncio.sleep(0.05)
 
-    async def check(self, replica: ReplicaState) -> None:
+    async def disconnect(self) -> None:
+        if self.handle is not None:
+            await self.handle.shutdown_async()
+
+    async def route(self, hint: RoutingHint) -> ReplicaState:
+        """The replica the router picks for a request (Serve's request router runs the policy)."""
+        replica_id = await asyncio.wait_for(self.handle.placed.remote(hint), CHOOSE_SECONDS)
+        return next(r for r in self.router.replicas if r.replica_id == replica_id)
+
+    async def check(self, replica: ReplicaState, client: httpx.AsyncClient) -> None:
         """After a transport error: take the replica out if it does not answer."""
         if replica.alive:
             try:
-                await asyncio.wait_for(self.actors[replica.index].address.remote(), 10.0)
-            except Exception:  # noqa: BLE001 -- as in _poll
-                self._lost(replica)
+                (await client.get(replica.url + "/health", timeout=ANSWER_SECONDS)).raise_for_status()
+            except httpx.HTTPError:
+                self.lost(replica)
+                # A hung replica is killed, so that its connections close and its streams end;
+                # Serve starts another in its place.
+                try:
+                    self._ray.kill(self._ray.get_actor(replica.actor_name, namespace="serve"))
+                except ValueError:  # gone already
+                    pass
 
-    def _lost(self, replica: ReplicaState) -> None:
+    def lost(self, replica: ReplicaState) -> None:
         if replica.alive and not self._closing:
             print(f"tollway: replica {replica.index} is gone; its queued requests go to the others", file=sys.stderr)
             self.router.died(replica)
-            # A hung replica is killed, so that its connections close and its streams end.
-            self._ray.kill(self.actors[replica.index])
 
     async def drain(self, index: int) -> int:
         """Route nothing more to replica `index`, and send the requests it has queued (not
         started) to the others; those running finish. Returns how many were shed."""
-        replica = self.router.replicas[index]
-        replica.draining = True
-        return await self.actors[index].shed.remote()
+        self.router.replicas[index].draining = True
+        return await self.handle.shed.remote(RoutingHint(replica=index))
 
     async def resume(self, index: int) -> None:
-        await self.actors[index].resume.remote()
+        await self.handle.resume.remote(RoutingHint(replica=index))
         self.router.replicas[index].draining = False
 
     def home(self) -> ReplicaState | None:
-        """Where requests other than completions go: the first live replica. Every replica
+        """Where requests other than completions go: the first replica serving. Every replica
         serves the Batch API and runs its jobs, each job on one replica at a time (claimed in
         the shared store), so they move to another when theirs dies."""
         return next((r for r in self.router.replicas if r.alive), None)
 
     def shutdown(self) -> None:
+        from ray import serve
+
         self._closing = True
-        for actor in self.actors:
-            self._ray.kill(actor)
-        if self._own_ray:
+        if self._own_ray:  # Serve and the replicas end with the instance
             self._ray.shutdown()
+        elif self._deployed:
+            serve.delete(APP)
+        Fleet.serving.pop(APP, None)
+
+
+def start_engine(config) -> None:
+    """Start an engine and drop it: a first start on a machine measures it into the shared cache."""
+    from tollway.engine import Engine
+
+    Engine(config, progress=False)
 
 
 def replica_resources(config, cluster: dict, size: int) -> dict:
@@ -148,7 +195,7 @@ def serve_fleet(spec: ReplicaSpec, replicas: int, ray_address: str | None, host:
 
     import_ray()  # before anything starts: without Ray, say so at once
     fleet = Fleet(spec, replicas, ray_address)
-    print(f"tollway: starting {replicas} replicas of {spec.model_name} on Ray "
+    print(f"tollway: starting {replicas} replicas of {spec.model_name} on Ray Serve "
           f"({'joining ' + ray_address if ray_address else 'a local instance'})", file=sys.stderr)
     fleet.start()
     try:

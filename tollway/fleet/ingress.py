@@ -1,13 +1,14 @@
-"""The fleet's HTTP front: the same OpenAI API as one server, each completion routed to a
-replica by the tier-aware router (router.py) and proxied to that replica's own tollway API.
+"""The fleet's HTTP front: the same OpenAI API as one server, each completion placed on a
+replica by the tier-aware router (router.py, run by Serve as the deployment's request router:
+fleet.py) and proxied to that replica's own tollway API.
 
 A request is *committed* to a replica once its response has begun reaching the client: the
 whole body of a plain response, the first event of a stream. Until then any failure there
 (the replica died or stopped answering, refused it as draining or queue-full, or answered
 5xx) sends it to another replica, so no request is silently dropped. After that, a failed
 replica ends the stream with an OpenAI-style error event and [DONE], never a hang: its
-connection closes when its process dies, and the fleet kills a replica that stops answering
-its load polls.
+connection closes when its process dies, Serve replaces a replica that fails its health checks
+(its engine stopped or hung), and the ingress kills one that stops answering on its port.
 
 /dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
 the Batch API, the /dashboard page) goes to the first live replica: they share one store.
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from tollway.fleet.dashboard import fleet_data
-from tollway.fleet.router import ReplicaState, estimated_tokens
+from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
 from tollway.server import errors
 from tollway.server.errors import APIError
 from tollway.server.service_tier import tier_for
@@ -46,9 +47,9 @@ def create_ingress(fleet) -> FastAPI:
         nonlocal client
         # No read timeout: a generation may take minutes, and a dead replica closes its socket.
         client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
-        watcher = asyncio.create_task(fleet.watch())
+        await fleet.connect()
         yield
-        watcher.cancel()
+        await fleet.disconnect()
         await client.aclose()
 
     app = FastAPI(title="tollway fleet", lifespan=lifespan)
@@ -103,14 +104,11 @@ def create_ingress(fleet) -> FastAPI:
             tier, text, tokens, stream = "standard", "", 0, False
         tried: set[int] = set()
         failure: Response | None = None
+        unplaced = 0  # routing calls that failed: the replica they went to died meanwhile
         while True:
-            choice = router.choose(tier, text, tried)
-            if choice is None:
-                untried = [r for r in router.replicas if r.routable and r.index not in tried]
-                if not untried:
-                    return failure or JSONResponse(
-                        errors.error_body(503, "no replica is available to serve the request", code="replica_unavailable"),
-                        status_code=503)
+            if router.choose(tier, text, tried) is None:
+                if not [r for r in router.replicas if r.routable and r.index not in tried]:
+                    return failure or _unavailable()
                 # Batch runs only on spare capacity: it waits here until a replica has some.
                 metrics.waiting[tier] += 1
                 try:
@@ -120,9 +118,14 @@ def create_ingress(fleet) -> FastAPI:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue
-            replica, reason = choice
-            router.sent(replica, tier, text, tokens)
-            metrics.routed.labels(tier, str(replica.index), reason).inc()
+            try:  # the router places it (and counts it there), as the policy says
+                replica = await fleet.route(RoutingHint(tier, text, tokens, frozenset(tried)))
+            except Exception:  # noqa: BLE001 -- the call did not reach a live replica: place it again
+                metrics.retried.labels(tier, "replica_lost").inc()
+                unplaced += 1
+                if unplaced > len(router.replicas):
+                    return failure or _unavailable()
+                continue
             try:
                 return await _attempt(replica, path, body, headers, stream)
             except _NotServed as e:
@@ -136,7 +139,7 @@ def create_ingress(fleet) -> FastAPI:
             resp = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers),
                                      stream=True)
         except httpx.TransportError:
-            await fleet.check(replica)
+            await fleet.check(replica, client)
             raise _NotServed("replica_lost") from None
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN}
         out_headers["x-tollway-replica"] = str(replica.index)
@@ -154,7 +157,7 @@ def create_ingress(fleet) -> FastAPI:
                 first += await anext(chunks)
         except (httpx.HTTPError, StopAsyncIteration):
             await resp.aclose()
-            await fleet.check(replica)
+            await fleet.check(replica, client)
             raise _NotServed("replica_lost") from None
         except _NotServed:
             await resp.aclose()
@@ -182,7 +185,7 @@ def create_ingress(fleet) -> FastAPI:
         error = errors.error_body(500, f"replica {replica.index} failed mid-stream ({why}); the response is incomplete",
                                   code="replica_failed")
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        await fleet.check(replica)
+        await fleet.check(replica, client)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def passthrough(path: str, request: Request) -> Response:
@@ -195,12 +198,17 @@ def create_ingress(fleet) -> FastAPI:
             resp = await client.send(client.build_request(request.method, url, content=await request.body(),
                                                           headers=headers), stream=True)
         except httpx.TransportError:
-            await fleet.check(home)
+            await fleet.check(home, client)
             return JSONResponse(errors.error_body(503, "the replica did not answer"), status_code=503)
         kept = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
         return StreamingResponse(resp.aiter_raw(), resp.status_code, kept, background=BackgroundTask(resp.aclose))
 
     return app
+
+
+def _unavailable() -> JSONResponse:
+    return JSONResponse(errors.error_body(503, "no replica is available to serve the request",
+                                          code="replica_unavailable"), status_code=503)
 
 
 class _NotServed(Exception):

@@ -51,7 +51,7 @@ class FleetMetrics:
         self.failed_streams = Counter("tollway:router_failed_streams",
                                       "Streams cut by their replica's failure after they began (ended with an error).",
                                       ["replica"], registry=self.registry)
-        self.waiting = {t: 0 for t in TIERS}  # requests held in the router for capacity
+        self.waiting = {t: 0 for t in TIERS}  # requests the ingress holds for capacity
         self.registry.register(_RouterState(router, self.waiting))
 
     def exposition(self, replica_texts: dict[str, str]) -> bytes:
@@ -77,7 +77,7 @@ class _RouterState:
             up.add_metric([str(r.index), r.state], float(r.routable))
             outstanding.add_metric([str(r.index)], r.outstanding_tokens)
             fast_free.add_metric([str(r.index)], r.fast_free)
-        waiting = GaugeMetricFamily("tollway:router_waiting", "Requests the router holds until a replica has room.",
+        waiting = GaugeMetricFamily("tollway:router_waiting", "Requests the ingress holds until a replica has room.",
                                     labels=["tier"])
         for tier, n in self.waiting.items():
             waiting.add_metric([tier], n)

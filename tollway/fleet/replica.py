@@ -1,6 +1,8 @@
 """One replica: one engine (one model copy, its own scheduler and lanes) and the whole tollway
 API over it (create_app: keys, the meter and its ledger, budgets, /metrics), listening on its
-own port. fleet.py runs each in a Ray actor.
+own port. fleet.py runs the replicas as a Ray Serve deployment of this class: Serve places
+them, polls their load (record_routing_stats) and health (check_health), and replaces one that
+dies; its request router (serve_router.py) picks which replica each request goes to.
 
 The router may take back what a replica has queued (drain, shed). So a request's add() here
 returns only once the engine has run it and produced its first output: until then it can be
@@ -9,6 +11,8 @@ work is recorded (a 429 queue_full, no ledger row) and the router sends elsewher
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -18,9 +22,12 @@ from dataclasses import dataclass
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.config import EngineConfig, ServerConfig
 from tollway.fleet.load import ReplicaLoad
+from tollway.fleet.router import RoutingHint
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
 from tollway.scheduler.scheduler import QueueFullError
+
+HEALTH_SECONDS = 20.0  # an engine that takes longer to come round to a call is hung
 
 
 class ReplicaDraining(QueueFullError):
@@ -107,7 +114,9 @@ class ReplicaSpec:
 
 
 class Replica:
-    """The Ray actor's class (fleet.py applies ray.remote to it)."""
+    """The Serve deployment's class (fleet.py makes the deployment). Its methods that take a
+    RoutingHint are called through the deployment's handle, so Serve's request router reads
+    the hint and picks the replica that answers."""
 
     def __init__(self, spec: ReplicaSpec, host: str | None):
         """`host`: the address to listen on; None: this node's, as Ray knows it (for a cluster)."""
@@ -128,6 +137,7 @@ class Replica:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self.actor_name = ray.get_runtime_context().get_actor_name()
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True).start()
         deadline = time.monotonic() + 60
@@ -136,14 +146,25 @@ class Replica:
                 raise RuntimeError("the replica's HTTP server did not start")
             time.sleep(0.05)
 
-    def address(self) -> str:
-        return self.url
+    async def record_routing_stats(self) -> dict:
+        """The report Serve polls and hands to the request router: where this replica listens
+        and its load, timed (wall clock) when read."""
+        load = await asyncio.wrap_future(self.engine.run(ReplicaLoad.of))
+        return {"url": self.url, "actor_name": self.actor_name, "load": dataclasses.asdict(load), "at": time.time()}
 
-    def load(self) -> ReplicaLoad:
-        return self.engine.run(ReplicaLoad.of).result(timeout=60)
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose engine stopped or hangs is replaced."""
+        await asyncio.wait_for(asyncio.wrap_future(self.engine.run(lambda engine: None)), HEALTH_SECONDS)
 
-    def shed(self) -> int:
+    def placed(self, hint: RoutingHint) -> str:
+        """The router placed a request here: this replica's Serve id, to which the ingress then
+        sends the request (over HTTP, to this replica's own API)."""
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+
+    def shed(self, hint: RoutingHint) -> int:
         return self.engine.shed()
 
-    def resume(self) -> None:
+    def resume(self, hint: RoutingHint) -> None:
         self.engine.draining = False

@@ -9,11 +9,11 @@ load report plus what the router has sent it since.
   prefix cache (affinity.py) and its extra outstanding work is no more than the prefill the
   cache hit saves: then that replica.
 - batch: only a replica with spare sequence slots (no fast or standard request waiting, room
-  past the fast lane's reserve); with none, the request waits in the router until one frees.
+  past the fast lane's reserve); with none, the request waits (in the ingress) until one frees.
 
-Reports lag (they are polled), so everything sent to a replica after its latest report was
-asked for counts on top of that report; it drops out once a newer report covers it. Pure
-Python, no Ray: it is tested on its own.
+Reports lag (Serve polls them, serve_router.py passes them on), so everything sent to a
+replica after its latest report was measured counts on top of that report; it drops out once
+a newer report covers it. Pure Python, no Ray: it is tested on its own.
 """
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ from tollway.fleet.load import ReplicaLoad
 
 @dataclass
 class ReplicaState:
-    index: int
-    url: str
-    load: ReplicaLoad
-    asked: float  # when `load` was asked for (router clock)
+    index: int  # the fleet's name for it: replicas are numbered as they join (at their first report)
+    url: str  # its own tollway API
+    load: ReplicaLoad  # its latest report
+    asked: float  # when `load` was measured (router clock)
     alive: bool = True
     draining: bool = False
     sent: list[tuple[float, str, int]] = field(default_factory=list)  # (when, tier, tokens) since `asked`
+    replica_id: str = ""  # Serve's id of the replica
+    actor_name: str = ""  # its Ray actor's name, in Serve's namespace
 
     @property
     def routable(self) -> bool:
@@ -56,8 +58,21 @@ class ReplicaState:
         return self.load.spare_slots - len(self.sent)
 
 
+@dataclass(frozen=True)
+class RoutingHint:
+    """What the router needs to know of a request to place it. Sent with each call to the
+    replicas' deployment, where Serve's request router reads it (serve_router.py)."""
+
+    tier: str = "standard"
+    prompt_text: str = ""
+    tokens: int = 0
+    exclude: frozenset[int] = frozenset()  # replicas that did not serve it already
+    replica: int | None = None  # this replica and no other (drain, resume)
+
+
 class Router:
-    def __init__(self, replicas: list[ReplicaState], clock=time.monotonic):
+    # Wall-clock time: the replicas time their reports, and on a cluster they are other machines.
+    def __init__(self, replicas: list[ReplicaState], clock=time.time):
         self.replicas = replicas
         self.clock = clock
         self.affinity = PrefixAffinity()
