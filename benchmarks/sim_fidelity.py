@@ -1,7 +1,7 @@
 """Simulator fidelity: one mixed-lane workload on the real engine, then in the simulator on
 this machine's measured profile, compared per tier.
 
-    python benchmarks/sim_fidelity.py          # about 10 min on a quiet 2-core machine
+    python benchmarks/sim_fidelity.py          # about 17 min on a quiet 2-core machine
     python benchmarks/sim_fidelity.py --quick  # a smaller run, for development; writes benchmarks/out/ only
     python benchmarks/sim_fidelity.py --resimulate  # the simulator again, on the last run's profile and engine run
 
@@ -14,7 +14,12 @@ throughput and p50 TPOT within 10%, p99 TTFT within 25%. Writes benchmarks/sim_f
 
 A simulated run draws every step's jitter at random, and a few hundred requests' p50 and p99
 move with the draw (standard TPOT p50 by ±9% here). So the simulator runs SIM_SEEDS times with
-different draws; the error is that of their mean, and the range is reported beside it.
+different draws; the error is that of their mean, and the range is reported beside it. The
+engine's side is one draw, so it runs 480 requests: with 240, standard's p99 TTFT was its
+third-longest wait, and its eight longest all queued in one 16-second stretch.
+
+Both sides also report their steps (how many per second, their mean size and time), so that a
+per-tier error can be traced to steps sized or timed otherwise.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from tollway.sim.engine_run import run_on_engine  # noqa: E402
 from tollway.sim.machine_profile import MachineProfile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 
-FULL = dict(users=24, requests=240, warmup=15.0, prompt=(64, 24, 16, 128), output=(48, 16, 16, 96),
+FULL = dict(users=24, requests=480, warmup=15.0, prompt=(64, 24, 16, 128), output=(48, 16, 16, 96),
             mix={"fast": 0.1, "standard": 0.9}, grid=None)
 QUICK = dict(users=8, requests=40, warmup=5.0, prompt=(32, 8, 16, 48), output=(16, 4, 8, 24),
              mix={"fast": 0.2, "standard": 0.8}, grid=dict(decodes=(1, 8, 32), prefills=(0, 64), repeats=1))
@@ -103,6 +108,7 @@ def run(s: dict, saved: Path) -> dict:
             tiers[tier] |= {f"{name}_real": measured, f"{name}_sim": sim,
                             f"{name}_sim_range": [min(sims), max(sims)] if sims else None,
                             f"{name}_rel_err": abs(sim - measured) / measured if measured and sim is not None else None}
+    steps = {"real": step_figures(real), "sim": _mean_figures([step_figures(r) for r in runs])}
     targets = {f"{tier}_{metric}_within_{limit:.0%}": (t[metric] is not None and t[metric] <= limit)
                for tier, t in tiers.items() for metric, limit in TARGETS.items()}
     for stage in (real, simulated):
@@ -112,7 +118,23 @@ def run(s: dict, saved: Path) -> dict:
             "profile": {"hardware": profile.hardware, "steps": len(profile.samples), "overhead": profile.overhead,
                         "jitter_p90": sorted(profile.jitter)[int(0.9 * (len(profile.jitter) - 1))],
                         "seconds": profile_seconds},
-            "sim_seeds": SIM_SEEDS, "tiers": tiers, "targets": targets, "real": real, "simulated": simulated}
+            "sim_seeds": SIM_SEEDS, "tiers": tiers, "steps": steps, "targets": targets, "real": real, "simulated": simulated}
+
+
+def step_figures(stage: dict) -> dict | None:
+    """The run's steps in all: how many per second, and their mean size and time. Where the
+    per-tier figures differ, these say whether the simulated steps were sized or timed otherwise."""
+    series = stage["steps"]
+    n = sum(p["steps"] for p in series)
+    if not n:
+        return None
+    return {"steps_per_s": n / (stage["end"] - stage["start"]),
+            **{k: sum(p[k] * p["steps"] for p in series) / n for k in ("seqs_per_step", "tokens_per_step", "seconds_per_step")}}
+
+
+def _mean_figures(figures: list[dict | None]) -> dict | None:
+    drawn = [f for f in figures if f]
+    return {k: sum(f[k] for f in drawn) / len(drawn) for k in drawn[0]} if drawn else None
 
 
 def markdown(r: dict, raw: str) -> str:
@@ -139,6 +161,12 @@ def markdown(r: dict, raw: str) -> str:
             return f"{both} | {'–' if err is None else f'{err:.0%}'}"
         lines.append(f"| {tier} | {t['requests']} | {cell('throughput')} | {cell('tpot_p50', 1e3, '.0f')} | "
                      f"{cell('ttft_p99', 1e3, '.0f')} |")
+    real, sim = r["steps"]["real"], r["steps"]["sim"]
+    if real and sim:
+        lines += ["", "Steps, real / sim: " + ", ".join(
+            f"{name} {real[k] * scale:{fmt}} / {sim[k] * scale:{fmt}}" for name, k, scale, fmt in (
+                ("steps/s", "steps_per_s", 1, ".2f"), ("sequences per step", "seqs_per_step", 1, ".1f"),
+                ("tokens per step", "tokens_per_step", 1, ".1f"), ("ms per step", "seconds_per_step", 1e3, ".0f"))) + "."]
     lines += ["", targets_line(r["targets"])]
     return "\n".join(lines)
 

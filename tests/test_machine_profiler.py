@@ -5,6 +5,7 @@ from tollway.bench.load import Limits, Profile
 from tollway.bench.workload import Lengths, Workload
 from tollway.model.machine_profiler import Grid, grid_plans, measure
 from tollway.scheduler.step_model import StepShape
+from tollway.sim.engine_run import run_on_engine
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.simulator import simulate
 
@@ -35,9 +36,16 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     profile.save(tmp_path / "p.json")
     loaded = MachineProfile.load(tmp_path / "p.json")
     assert loaded == profile
-    result = simulate(engine.scheduler.config, loaded, Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}),
-                      [Profile("concurrency 4", concurrency=4)], Limits(max_requests=8), progress=False)
+    workload, load = Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}), Profile("concurrency 4", concurrency=4)
+    result = simulate(engine.scheduler.config, loaded, workload, [load], Limits(max_requests=8), progress=False)
     assert result["stages"][0]["summary"]["all"]["completed"] == 8
+    # The engine's side of the fidelity check records the same workload the same way, steps too.
+    measured = run_on_engine(engine, workload, load, Limits(max_requests=8), progress=False)
+    assert [(r.prompt_tokens, r.output_tokens, len(r.chunk_times)) for r in measured.records] == [(24, 6, 6)] * 8
+    for steps in (measured.steps, result["stages"][0]["steps"]):
+        assert steps and all(p["seqs_per_step"] >= 1 and p["seconds_per_step"] > 0 for p in steps)
+        # every prompt and output token went through some step (the last output is sampled, not fed)
+        assert sum(p["steps"] * p["tokens_per_step"] for p in steps) >= 8 * (24 + 5)
 
 
 def test_a_gpu_profile_is_named_by_the_gpu(monkeypatch):

@@ -17,6 +17,7 @@ from tollway.bench.load import Limits, Profile, Stage
 from tollway.bench.workload import Workload
 from tollway.request import SamplingParams
 from tollway.scheduler.scheduler import QueueFullError
+from tollway.sim.step_series import step_series
 
 _TOKEN_IDS = (1000, 200_000)
 
@@ -27,6 +28,7 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     records: dict[str, RequestRecord] = {}
+    steps: list[tuple[float, int, int, float]] = []  # (start, sequences, tokens, seconds), as the simulator keeps
     measured = 0
     vocab = min(_TOKEN_IDS[1], engine.model_config.vocab_size)
 
@@ -68,8 +70,11 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
                     break
                 time.sleep(max(0.0, due - clock()))
                 continue
+            began = clock()
             outputs = engine.step()
             now = clock()
+            if engine.last_plan is not None and engine.last_plan.num_seqs:
+                steps.append((began, engine.last_plan.num_seqs, engine.last_plan.num_tokens, now - began))
             for out in outputs:
                 record = records[out.request_id]
                 if out.new_token_ids:
@@ -80,4 +85,5 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
                     bar.update(not record.warmup)
                     if closed and more(now):
                         send(now)
-    return Stage(profile, 0.0, clock(), sorted(records.values(), key=lambda r: r.index), [])
+    end = clock()
+    return Stage(profile, 0.0, end, sorted(records.values(), key=lambda r: r.index), step_series(steps, 0.0, end))

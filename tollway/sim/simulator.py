@@ -42,6 +42,7 @@ from tollway.scheduler.scheduler import QueueFullError, Scheduler
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
 from tollway.sim.step_log import StepLog
+from tollway.sim.step_series import step_series
 
 _ARRIVAL, _STEP_DONE = 0, 1
 TOKEN_TIMES = 20_000
@@ -158,7 +159,7 @@ class Simulator:
                 else:
                     self._finish_step(data)
         end = max([self.now, *(r.end for r in stage.records if r.end is not None)])
-        steps = _step_series(self.steps[step_log_start:], stage.start, end)
+        steps = step_series(self.steps[step_log_start:], stage.start, end)
         return Stage(profile, stage.start, end, sorted(stage.records, key=lambda r: r.index), steps)
 
     def _more(self, stage: _Stage) -> bool:
@@ -273,23 +274,6 @@ class Simulator:
         for other in self.replicas:  # new closed-loop requests may have gone to an idle replica
             if other.in_flight is None and other.scheduler.has_unfinished():
                 self._start_step(other)
-
-
-def _step_series(steps: list[tuple[float, int, int, float]], start: float, end: float) -> list[dict]:
-    """Steps over time in about 200 buckets: the shape `tollway bench` reads from /metrics."""
-    if not steps:
-        return []
-    width = max((end - start) / 200, 1e-9)
-    buckets: dict[int, list] = {}
-    for t, seqs, tokens, seconds in steps:
-        b = buckets.setdefault(int((t - start) / width), [0, 0, 0, 0.0])
-        b[0] += 1
-        b[1] += seqs
-        b[2] += tokens
-        b[3] += seconds
-    return [{"t": start + (k + 1) * width, "interval": width, "steps": n, "seqs_per_step": seqs / n,
-             "tokens_per_step": tokens / n, "seconds_per_step": secs / n}
-            for k, (n, seqs, tokens, secs) in sorted(buckets.items())]
 
 
 def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, profiles: list[Profile], limits: Limits,
