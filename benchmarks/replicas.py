@@ -1,6 +1,7 @@
 """Replicas: the same closed-loop load on `tollway serve --replicas 1` and `--replicas 2`
-(each replica one engine, on a local Ray instance), throughput and the 2:1 ratio; and
-`tollway simulate` of the same two fleets on this machine's profile, for comparison.
+(each replica one engine, the replicas a Ray Serve deployment on a local Ray instance),
+throughput and the 2:1 ratio; and `tollway simulate` of the same two fleets on this machine's
+profile, for comparison.
 
     python benchmarks/replicas.py          # about 15 min on a quiet 2-core machine
     python benchmarks/replicas.py --quick  # a smaller run, for development; writes benchmarks/out/ only

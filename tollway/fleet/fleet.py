@@ -12,7 +12,7 @@ fronts its workers). So a replica meters, records and authenticates its requests
 single `tollway serve` does, and streams pass straight from it to the client.
 
 Serve's HTTP proxy is off (the ingress is the front, and a proxy actor per node would compete
-with the engines for cores); its controller is one actor, which takes no CPU from Ray's count.
+with the engines for cores); its controller, one actor, reserves no core from Ray's count.
 """
 from __future__ import annotations
 
