@@ -111,6 +111,30 @@ def test_holds_count_until_their_request_settles_or_is_released(store_target):
     budgets.close()  # r3 is still held: stop its renewals before the database goes
 
 
+def test_a_call_a_fleet_retries_is_held_and_billed_once(store_target):
+    """Replica A billed call r1, then died before answering; the ingress retried r1 on B.
+    Replica A also died holding r2; its retry on B takes that hold over."""
+    spec = BudgetSpec(limit=1.0, key="alice")
+    a, b = Budgets([spec], Ledger(store_target)), Budgets([spec], Ledger(store_target))
+    now = time.time()
+    a.reserve("r1", "alice", [], 0.6)
+    a.settle(spend("r1", 0.4, created=now))
+    b.reserve("r1", "alice", [], 0.6)  # 0.4 spent: fits
+    b.settle(spend("r1", 0.4, created=now))
+    assert [r.id for r in Ledger(store_target).rows()] == ["r1"]
+    assert b.burn()[0]["spent"] == pytest.approx(0.4)
+    a.reserve("r2", "alice", [], 0.5)
+    a.close()  # A is gone: its hold on r2 stays until it lapses
+    b.reserve("r2", "alice", [], 0.5)  # counted once: 0.4 + 0.5 fits, where 0.4 + 0.5 + 0.5 would not
+    with pytest.raises(BudgetExceeded):
+        b.reserve("r3", "alice", [], 0.2)  # r2's one hold still counts
+    b.settle(spend("r2", 0.5, created=now))
+    assert sorted(r.id for r in Ledger(store_target).rows()) == ["r1", "r2"]
+    assert b.burn()[0]["spent"] == pytest.approx(0.9)
+    b.reserve("r4", "alice", [], 0.1)  # r2's hold is gone with its settling, A's with it
+    b.close()
+
+
 def test_a_dead_servers_holds_lapse_and_a_live_one_keeps_them(store_target):
     now = [utc(2026, 11, 29, 10)]
     spec = BudgetSpec(limit=1.0, key="alice", period="daily")

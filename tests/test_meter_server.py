@@ -16,6 +16,7 @@ import pytest
 
 from tollway.config import BudgetSpec, KeySpec, default_tiers
 from tollway.meter.webhook import Webhook
+from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.keys import Gatekeeper
 
 from live_server import MODEL, free_port, make_meter, running_server, wait_until_up
@@ -129,6 +130,28 @@ def test_budget_alerts_cap_and_reset_end_to_end(metered, receiver):
     ask()
     time.sleep(0.3)
     assert [a["threshold"] for a in receiver.received if a["name"] == "capped"] == [0.5, 0.8, 1.0]
+
+
+def test_a_fleet_call_retried_on_another_replica_is_billed_once(make_engine, tmp_path):
+    """Two replicas on one ledger: the ingress names a call, and the replica it retries the call
+    on (after the first billed it and failed to answer) answers it without billing it again.
+    Without the fleet's secret, a named id is not taken."""
+    ledger = tmp_path / "ledger.sqlite"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
+    call = new_call_id()
+    for a in running_server(make_engine(kernel="int8"), meter=make_meter(ledger), fleet_secret="s3cret"):
+        for b in running_server(make_engine(kernel="int8"), meter=make_meter(ledger), fleet_secret="s3cret"):
+            named = {CALL_ID: call, FLEET_SECRET: "s3cret"}
+            first = httpx.post(a["url"] + "/v1/completions", json=body, headers=named, timeout=60).json()
+            retried = httpx.post(b["url"] + "/v1/completions", json=body, headers=named, timeout=60).json()
+            assert first["id"] == retried["id"] == f"cmpl-{call}"
+            assert first["choices"][0]["text"] == retried["choices"][0]["text"]
+            forged = [httpx.post(b["url"] + "/v1/completions", json=body, headers={CALL_ID: call, **secret},
+                                 timeout=60).json()["id"] for secret in ({FLEET_SECRET: "guess"}, {})]
+            assert f"cmpl-{call}" not in forged and all(_row(ledger, rid) for rid in forged)
+    db = sqlite3.connect(ledger)
+    assert db.execute("SELECT COUNT(*) FROM requests WHERE id = ?", (f"cmpl-{call}",)).fetchone()[0] == 1
+    assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3
 
 
 def test_sigkill_under_load_loses_no_completed_row(tmp_path):

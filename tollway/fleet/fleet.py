@@ -20,6 +20,7 @@ import asyncio
 import copy
 import dataclasses
 import os
+import secrets
 import sys
 
 import httpx
@@ -54,6 +55,7 @@ class Fleet:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         self.spec, self.size, self.ray_address = spec, replicas, ray_address
+        self.secret = secrets.token_hex(16)  # the replicas take call ids only beside it
         self.router = Router([])
         self.metrics = FleetMetrics(self.router)
         self.handle = None
@@ -78,7 +80,7 @@ class Fleet:
         config = copy.deepcopy(self.spec.config)
         # The replicas share the cores rather than each taking all of them.
         config.num_threads = config.num_threads or max(1, int(cluster.get("CPU", 1.0) // self.size))
-        spec = dataclasses.replace(self.spec, config=config)
+        spec = dataclasses.replace(self.spec, config=config, secret=self.secret)
         # Replicas on this machine only listen on loopback; joining a cluster, on their node's address.
         host = None if self.ray_address else LOOPBACK
         resources = replica_resources(config, cluster, self.size)

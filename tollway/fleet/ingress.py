@@ -5,7 +5,9 @@ fleet.py) and proxied to that replica's own tollway API.
 A request is *committed* to a replica once its response has begun reaching the client: the
 whole body of a plain response, the first event of a stream. Until then any failure there
 (the replica died or stopped answering, refused it as draining or queue-full, or answered
-5xx) sends it to another replica, so no request is silently dropped. After that, a failed
+5xx) sends it to another replica, so no request is silently dropped; the call keeps one id on
+every replica tried (server/call_ids.py), so one that failed after billing it is not billed
+twice. After that, a failed
 replica ends the stream with an OpenAI-style error event and [DONE], never a hang: its
 connection closes when its process dies, Serve replaces a replica that fails its health checks
 (its engine stopped or hung), and the ingress kills one that stops answering on its port.
@@ -29,6 +31,7 @@ from starlette.background import BackgroundTask
 from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
 from tollway.server import errors
+from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.errors import APIError
 from tollway.server.service_tier import tier_for
 
@@ -91,6 +94,8 @@ def create_ingress(fleet) -> FastAPI:
     async def _route(request: Request, path: str) -> Response:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        # One id for the call on every replica tried: a retry of a call already billed is not billed again.
+        headers |= {CALL_ID: new_call_id(), FLEET_SECRET: fleet.secret}
         try:
             parsed = json.loads(body)
             tier = tier_for(parsed.get("service_tier"))

@@ -109,11 +109,15 @@ class Budgets:
                 spent = self._spent(db, spec, start, end)
                 db.execute("DELETE FROM budget_holds WHERE budget = ? AND period_start = ? AND expires <= ?",
                            (name, start, now))  # lapsed: their server died
+                # Not counting a hold of this request's own: a fleet retrying a call on another
+                # replica takes over the hold the first one left (see settle).
                 holding = db.execute("SELECT COALESCE(SUM(dollars), 0) FROM budget_holds WHERE budget = ? "
-                                     "AND period_start = ?", (name, start)).fetchone()[0]
+                                     "AND period_start = ? AND request_id <> ?", (name, start, request_id)).fetchone()[0]
                 if spent + _SLACK >= spec.limit or spent + holding + dollars > spec.limit + _SLACK:
                     raise _refusal(spec, spent, holding, dollars, end, now)
-                db.execute("INSERT INTO budget_holds VALUES (?, ?, ?, ?, ?, ?)",
+                db.execute("INSERT INTO budget_holds VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (request_id, budget) DO "
+                           "UPDATE SET period_start = excluded.period_start, dollars = excluded.dollars, "
+                           "owner = excluded.owner, expires = excluded.expires",
                            (request_id, name, start, dollars, self.owner, now + HOLD_TTL))
                 held[name] = start
         with self._lock:
@@ -131,13 +135,17 @@ class Budgets:
 
     def settle(self, row: LedgerRow) -> None:
         """Write a finished request's ledger row, add its price to its budgets' spend and
-        release its holds, in one transaction; then send the alerts it crossed."""
+        release its holds, in one transaction; then send the alerts it crossed. A request whose
+        row is there already is not billed again: a fleet gives a call the same id on every
+        replica it tries, and retries it when a replica fails before answering, which may be
+        after that replica billed it."""
         with self._lock:
             held = self._held.pop(row.id, {})
         now = self.clock()
         crossed = []
         with self.database.transaction() as db:
-            for spec in sorted(self.applicable(row.key, row.tags), key=budget_name):
+            billed = self.ledger.has(db, row.id)
+            for spec in [] if billed else sorted(self.applicable(row.key, row.tags), key=budget_name):
                 name = budget_name(spec)
                 # A held request counts in the period it was admitted in.
                 start, end = period_bounds(spec.period, held.get(name, now))
@@ -148,7 +156,8 @@ class Budgets:
                             if before + row.price + _SLACK >= t * spec.limit]
             if held:
                 db.execute("DELETE FROM budget_holds WHERE request_id = ?", (row.id,))
-            self.ledger.write(db, row)
+            if not billed:
+                self.ledger.write(db, row)
         for spec, start, threshold, spent in crossed:
             claim = (budget_name(spec), start, threshold)
             with self._lock:

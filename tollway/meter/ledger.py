@@ -95,6 +95,11 @@ class Ledger:
                    list(values.values()))
         db.executemany("INSERT INTO request_tags VALUES (?, ?)", [(row.id, t) for t in dict.fromkeys(row.tags)])
 
+    @staticmethod
+    def has(db: Connection, request_id: str) -> bool:
+        """Whether the request's row is in the ledger (read in the caller's transaction)."""
+        return db.execute("SELECT 1 FROM requests WHERE id = ?", (request_id,)).fetchone() is not None
+
     def rows(self, start: float | None = None, end: float | None = None) -> list[LedgerRow]:
         where, args = _window(start, end)
         out = []

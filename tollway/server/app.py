@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Header
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -27,6 +27,7 @@ from tollway.server import errors
 from tollway.server.batch_api import batch_router
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
+from tollway.server.call_ids import trusted_call_id
 from tollway.server.dashboard import dashboard_router
 from tollway.server.errors import APIError
 from tollway.server.generation import (
@@ -42,12 +43,13 @@ from tollway.storage.database import Database
 
 def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
-               meter: Meter | None = None) -> FastAPI:
+               meter: Meter | None = None, fleet_secret: str | None = None) -> FastAPI:
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
     `batch_dir` holds the Batch API's files and jobs: a folder, or the fleet's Database (None: no
     Batch API). `meter` attributes engine time, keeps the ledger and enforces budgets (None: no
-    metering); /metrics and /dashboard then show its cost per lane and its budgets."""
+    metering); /metrics and /dashboard then show its cost per lane and its budgets.
+    `fleet_secret`: a fleet replica's, with which its ingress names calls (call_ids.py)."""
     runner: BatchRunner | None = None
     if meter is not None:
         engine.observe(meter.on_step)
@@ -109,20 +111,23 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         rows = await asyncio.to_thread(meter.ledger.usage, group_by, *window, key.name if key else None)
         return {"object": "list", "data": rows}
 
+    def call_id(request: Request) -> str | None:
+        return trusted_call_id(request.headers, fleet_secret)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, key: KeySpec | None = Depends(caller),
-                          x_tollway_tags: str | None = Header(default=None)):
-        return await _serve(req, "completion", key, request_tags(req, x_tollway_tags))
+                          x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(call_id)):
+        return await _serve(req, "completion", key, request_tags(req, x_tollway_tags), call)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, key: KeySpec | None = Depends(caller),
-                               x_tollway_tags: str | None = Header(default=None)):
-        return await _serve(req, "chat", key, request_tags(req, x_tollway_tags))
+                               x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(call_id)):
+        return await _serve(req, "chat", key, request_tags(req, x_tollway_tags), call)
 
     async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None,
-                     tags: list[str]):
+                     tags: list[str], call: str | None):
         tier = gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
-        gen = await _start(req, kind, tier, key, tags)
+        gen = await _start(req, kind, tier, key, tags, call)
         echo = kind == "completion" and req.echo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -132,12 +137,12 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         return JSONResponse(body, headers=headers)
 
     async def _start(req: CompletionRequest | ChatCompletionRequest, kind: str, tier: str,
-                     key: KeySpec | None, tags: list[str]) -> Generation:
+                     key: KeySpec | None, tags: list[str], call: str | None) -> Generation:
         """Check the request against the model and the key's limits, and submit its choices."""
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")
-        gen = Generation(kind, model_name, tier)
+        gen = Generation(kind, model_name, tier, call)
         prompts = token_prompts(req, tokenizer)
         longest = max(len(p) for p in prompts)
         if longest == 0:
@@ -213,7 +218,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                            param=str(first["loc"][0]) if first["loc"] else None) from None
         if req.stream:
             raise APIError(400, "stream is not supported in a batch", param="stream")
-        return await _collect(await _start(req, kind, "batch", None, request_tags(req, None)),
+        return await _collect(await _start(req, kind, "batch", None, request_tags(req, None), None),
                               kind == "completion" and req.echo)
 
     app.include_router(dashboard_router(stats, gatekeeper, model_name, meter))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ from tollway.model.tokenizer import Tokenizer
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
 from tollway.scheduler.scheduler import QueueFullError
+from tollway.server.call_ids import new_call_id
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tollway.server.service_tier import WIRE_NAME, tier_for
@@ -35,9 +35,10 @@ class Choice:
 class Generation:
     """One API call: every prompt times n choices, each an engine request in `tier`."""
 
-    def __init__(self, kind: str, model: str, tier: str):
+    def __init__(self, kind: str, model: str, tier: str, call_id: str | None = None):
+        """`call_id`: the id a fleet's ingress gave the call (the same on every replica it tries)."""
         self.kind = kind  # "completion" | "chat"
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{call_id or new_call_id()}"
         self.arrived = time.time()
         self.created = int(self.arrived)
         self.model = model
