@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -70,12 +71,19 @@ def measure_real(s: dict, saved: Path) -> None:
     # subset of it) and refit from their own steps: the check is of the simulated dynamics.
     engine.step_model = engine.scheduler.step_model = StepTimeModel.fit(profile.shapes())
     workload, load, limits = _workload(s)
-    real = stage_dict(run_on_engine(engine, workload, load, limits), SLO({}), None)
+    # How the runner's steps in the run compared with the profile's fit for them: the simulator
+    # draws that ratio from the profile's jitter, so a machine that ran slower (or faster)
+    # during the run than while profiled shows here.
+    fitted, ratios = profile.step_model(adaptive=False), []
+    real = stage_dict(run_on_engine(engine, workload, load, limits,
+                                    on_step=lambda plan, result: ratios.append(result.seconds / fitted.predict(plan.shape))),
+                      SLO({}), None)
     saved.parent.mkdir(parents=True, exist_ok=True)
     # The engine's kernel crossover goes with the profile; the model bounds the context.
     saved.write_text(json.dumps({"machine": machine, "date": date,
                                  "profile": profile.to_dict(), "profile_seconds": profile_seconds,
-                                 "max_model_len": engine.scheduler.config.max_model_len, "real": real}))
+                                 "max_model_len": engine.scheduler.config.max_model_len, "real": real,
+                                 "runner_over_profile": statistics.fmean(ratios)}))
 
 
 def _workload(s: dict) -> tuple[Workload, Profile, Limits]:
@@ -108,7 +116,9 @@ def run(s: dict, saved: Path) -> dict:
             tiers[tier] |= {f"{name}_real": measured, f"{name}_sim": sim,
                             f"{name}_sim_range": [min(sims), max(sims)] if sims else None,
                             f"{name}_rel_err": abs(sim - measured) / measured if measured and sim is not None else None}
-    steps = {"real": step_figures(real), "sim": _mean_figures([step_figures(r) for r in runs])}
+    steps = {"real": step_figures(real), "sim": _mean_figures([step_figures(r) for r in runs]),
+             # the runner's time per step over the profile's fit: measured in the run; the jitter's mean
+             "runner_over_profile": {"real": data.get("runner_over_profile"), "sim": statistics.fmean(profile.jitter)}}
     targets = {f"{tier}_{metric}_within_{limit:.0%}": (t[metric] is not None and t[metric] <= limit)
                for tier, t in tiers.items() for metric, limit in TARGETS.items()}
     for stage in (real, simulated):
@@ -167,6 +177,10 @@ def markdown(r: dict, raw: str) -> str:
             f"{name} {real[k] * scale:{fmt}} / {sim[k] * scale:{fmt}}" for name, k, scale, fmt in (
                 ("steps/s", "steps_per_s", 1, ".2f"), ("sequences per step", "seqs_per_step", 1, ".1f"),
                 ("tokens per step", "tokens_per_step", 1, ".1f"), ("ms per step", "seconds_per_step", 1e3, ".0f"))) + "."]
+    drift = r["steps"]["runner_over_profile"]
+    if drift["real"] is not None:
+        lines += ["", f"The runner's time per step against the profile's fit for that step: {drift['real']:.2f}x on "
+                      f"average during the engine run, {drift['sim']:.2f}x in the simulator's jitter draws."]
     lines += ["", targets_line(r["targets"])]
     return "\n".join(lines)
 

@@ -40,8 +40,11 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     result = simulate(engine.scheduler.config, loaded, workload, [load], Limits(max_requests=8), progress=False)
     assert result["stages"][0]["summary"]["all"]["completed"] == 8
     # The engine's side of the fidelity check records the same workload the same way, steps too.
-    measured = run_on_engine(engine, workload, load, Limits(max_requests=8), progress=False)
+    runner_seconds = []
+    measured = run_on_engine(engine, workload, load, Limits(max_requests=8), progress=False,
+                             on_step=lambda plan, result: runner_seconds.append(result.seconds))
     assert [(r.prompt_tokens, r.output_tokens, len(r.chunk_times)) for r in measured.records] == [(24, 6, 6)] * 8
+    assert len(runner_seconds) == sum(p["steps"] for p in measured.steps) and min(runner_seconds) > 0
     for steps in (measured.steps, result["stages"][0]["steps"]):
         assert steps and all(p["seqs_per_step"] >= 1 and p["seconds_per_step"] > 0 for p in steps)
         # every prompt and output token went through some step (the last output is sampled, not fed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -16,13 +17,16 @@ from tollway.bench.client import RequestRecord
 from tollway.bench.load import Limits, Profile, Stage
 from tollway.bench.workload import Workload
 from tollway.request import SamplingParams
+from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import QueueFullError
 from tollway.sim.step_series import step_series
 
 _TOKEN_IDS = (1000, 200_000)
 
 
-def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, progress: bool = True) -> Stage:
+def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, progress: bool = True,
+                  on_step: Callable[[StepPlan, StepResult], None] | None = None) -> Stage:
+    """`on_step(plan, result)` after every step that ran something."""
     limits.check()
     draws, ids, gaps = random.Random(workload.seed), random.Random(workload.seed + 2), random.Random(workload.seed + 1)
     start = time.perf_counter()
@@ -75,6 +79,8 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
             now = clock()
             if engine.last_plan is not None and engine.last_plan.num_seqs:
                 steps.append((began, engine.last_plan.num_seqs, engine.last_plan.num_tokens, now - began))
+                if on_step is not None:
+                    on_step(engine.last_plan, engine.last_result)
             for out in outputs:
                 record = records[out.request_id]
                 if out.new_token_ids:
