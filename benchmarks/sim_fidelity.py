@@ -1,7 +1,7 @@
 """Simulator fidelity: one mixed-lane workload on the real engine, then in the simulator on
 this machine's measured profile, compared per tier.
 
-    python benchmarks/sim_fidelity.py          # about 17 min on a quiet 2-core machine
+    python benchmarks/sim_fidelity.py          # about 22 min on a quiet 2-core machine
     python benchmarks/sim_fidelity.py --quick  # a smaller run, for development; writes benchmarks/out/ only
     python benchmarks/sim_fidelity.py --resimulate  # the simulator again, on the last run's profile and engine run
 
