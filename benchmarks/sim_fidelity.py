@@ -21,7 +21,7 @@ third-longest wait, and its eight longest all queued in one 16-second stretch.
 Both sides also report their steps (how many per second, their mean size and time), so that a
 per-tier error can be traced to steps sized or timed otherwise.
 
-This machine's speed drifts: grid steps timed again 20 minutes after a profile ran 13% faster
+This machine's speed drifts: grid steps timed again 15 minutes after a profile ran 13% faster
 than in it, and during that run's engine half the runner took 1.15x the profile's fit for its
 steps. A profile measured before the run is then a level off, whatever the simulator does. So
 the engine run also measures that level (each step's runner time over the profile's fit for it,
