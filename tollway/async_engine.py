@@ -4,18 +4,26 @@ The Engine is not thread-safe, so only the engine thread touches it: callers pos
 (add, abort) to a queue that the thread drains between steps, and each request's outputs come
 back through its own asyncio queue, put there with call_soon_threadsafe. Nothing blocks the
 event loop, and a step never waits on a slow client.
+
+Every request ends the same way, whether it finished or was aborted (while waiting, mid-prefill,
+preempted, or while a step that holds it runs: the abort is applied after that step): the
+scheduler frees its blocks and slot, and a final RequestOutput goes to the observers and then
+to its stream, which always ends with exactly one. After every change the thread publishes the
+scheduler's Occupancy, and when each running request last made progress (for the watchdog).
 """
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
+from tollway.scheduler.occupancy import Occupancy
 
 
 class EngineDeadError(RuntimeError):
@@ -24,11 +32,13 @@ class EngineDeadError(RuntimeError):
 
 class RequestStream:
     """One request's outputs, in order, ending with the finished one. Leaving it early (an
-    `async with` block exited, or abort()) aborts the request and frees its KV blocks."""
+    `async with` block exited, or abort()) aborts the request and frees its KV blocks; ended()
+    then gives the engine's last word on it."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
         self.engine, self.request_id, self._outputs = engine, request_id, outputs
-        self.finished = False
+        self.finished = False  # nothing more is read through iteration: it ended, or was left
+        self.final: RequestOutput | None = None  # the request's last output, once received
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -36,11 +46,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
+        out = await self._next()
+        self.finished = out.finished
+        return out
+
+    async def _next(self) -> RequestOutput:
         out = await self._outputs.get()
         if isinstance(out, BaseException):
             self.finished = True
             raise EngineDeadError("the engine stopped") from out
-        self.finished = out.finished
+        if out.finished:
+            self.final = out
         return out
 
     def abort(self) -> None:
@@ -48,6 +64,15 @@ class RequestStream:
             self.finished = True
             if self.engine.alive:
                 self.engine.abort(self.request_id)
+
+    async def ended(self) -> RequestOutput:
+        """The request's last output, waiting for it if need be: the finished one, or after
+        abort() the engine's (finish_reason "abort"), whose counts include any tokens made after
+        the caller stopped reading. Outputs not read before are skipped. Raises EngineDeadError
+        if the engine stops first."""
+        while self.final is None:
+            await self._next()
+        return self.final
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -59,26 +84,43 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
         """on_step(engine, plan, result, outputs): called on the engine thread after every
-        step that ran, before its outputs are handed out (metrics, the meter); more can be
+        step that ran, before its outputs are handed out (metrics, the meter); and with plan
+        and result None for the final outputs of requests aborted between steps. More can be
         added with observe()."""
         self.engine = engine
         self._observers = (on_step,) if on_step is not None else ()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the observers
         self._stopping = False
         self.error: BaseException | None = None
+        # Published by the engine thread after every change; read from any thread.
+        self.occupancy = Occupancy.of(engine.scheduler)
+        self.progress: dict[str, float] = {}  # running request id -> when it last ran (monotonic)
+        self.longest_step = 0.0  # seconds: the longest step measured so far
         self._thread = threading.Thread(target=self._loop, name="tollway-engine", daemon=True)
         self._thread.start()
 
     async def add(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
                   request_id: str | None = None) -> RequestStream:
         """Submit a request. Bad input (a ValueError: a full queue, a prompt too long, bad
-        sampling values) is raised here; outputs then come from the returned stream."""
+        sampling values) is raised here; outputs then come from the returned stream. A caller
+        cancelled while the add is queued leaves nothing behind: the request is aborted once
+        it lands."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
         self._post(("add", prompt, params, tier, request_id, loop, outputs, added))
-        return RequestStream(self, await asyncio.wrap_future(added), outputs)
+        try:
+            rid = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # if the engine thread had taken the add up, abort it once added
+            added.add_done_callback(self._abort_orphan)
+            raise
+        return RequestStream(self, rid, outputs)
+
+    def _abort_orphan(self, added: Future) -> None:
+        if not added.cancelled() and added.exception() is None and self.alive:
+            self.abort(added.result())
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -124,17 +166,32 @@ class AsyncEngine:
                 # Block for work only while idle; between steps take whatever has arrived.
                 block = not self.engine.has_unfinished()
                 self._drain(block)
+                self._end_aborted()
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
-                    if self.engine.last_plan.seqs:
+                    plan, result = self.engine.last_plan, self.engine.last_result
+                    if plan.seqs:
+                        self.longest_step = max(self.longest_step, result.seconds)
                         for observe in self._observers:
-                            observe(self.engine, self.engine.last_plan, self.engine.last_result, outputs)
+                            observe(self.engine, plan, result, outputs)
                     for out in outputs:
                         self._deliver(out.request_id, out, last=out.finished)
+                    self._end_aborted()  # a caller whose event loop closed meanwhile
+                    self._publish(plan)
+                else:
+                    self._publish(None)
+            stopped: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
-            self.error = e
-            for rid in list(self._outputs):
-                self._deliver(rid, e, last=True)
+            self.error = stopped = e
+        for rid in list(self._outputs):
+            self._deliver(rid, stopped, last=True)
+
+    def _publish(self, plan) -> None:
+        """Occupancy, and when each running request last ran, as of now."""
+        scheduler, now = self.engine.scheduler, time.monotonic()
+        ran = {s.request_id for s in plan.seqs} if plan is not None else ()
+        self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in scheduler.running}
+        self.occupancy = Occupancy.of(scheduler)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -152,6 +209,8 @@ class AsyncEngine:
         kind = command[0]
         if kind == "add":
             _, prompt, params, tier, request_id, loop, outputs, added = command
+            if not added.set_running_or_notify_cancel():
+                return  # its caller was cancelled while this was queued: nothing to add
             try:
                 rid = self.engine.add_request(prompt, params, tier=tier, request_id=request_id)
             except ValueError as e:
@@ -160,14 +219,29 @@ class AsyncEngine:
             self._outputs[rid] = (loop, outputs)
             added.set_result(rid)
         elif kind == "abort":
-            self.engine.abort(command[1])
-            self._outputs.pop(command[1], None)
+            self._abort(command[1])
         elif kind == "call":
             _, fn, done = command
             try:
                 done.set_result(fn(self.engine))
             except Exception as e:  # noqa: BLE001 -- handed to the caller
                 done.set_exception(e)
+
+    def _abort(self, request_id: str) -> None:
+        """The one way a request leaves early. An unknown id (finished already, or its add
+        failed) is a no-op: its stream has had its final output, or never existed."""
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._aborted.append(out)
+
+    def _end_aborted(self) -> None:
+        """Aborted requests' final outputs: to the observers, then to their streams."""
+        while self._aborted:
+            outputs, self._aborted = self._aborted, []
+            for observe in self._observers:
+                observe(self.engine, None, None, outputs)
+            for out in outputs:
+                self._deliver(out.request_id, out, last=True)
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
         target = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
@@ -176,4 +250,5 @@ class AsyncEngine:
             try:
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
             except RuntimeError:  # that caller's event loop is closed: nobody is listening
-                self.engine.abort(request_id)
+                if not last:
+                    self._abort(request_id)

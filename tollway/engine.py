@@ -101,13 +101,17 @@ class Engine:
             self.streams[request_id] = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self.streams.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Withdraw an unfinished request, waiting or running: its blocks and slot are freed
+        now. Returns its final output (finish_reason "abort"), which ends it as a finish would;
+        None if no unfinished request has this id (it finished already, or was never added)."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._output(request, [], time.monotonic())
 
-    def abort_all(self) -> None:
-        for request_id in self.scheduler.request_ids():
-            self.abort(request_id)
+    def abort_all(self) -> list[RequestOutput]:
+        return [self.abort(request_id) for request_id in self.scheduler.request_ids()]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -132,18 +136,22 @@ class Engine:
                     req.finish_reason = "stop"
                 else:
                     self.scheduler.finish(req.request_id, "stop")
-            out = RequestOutput(
-                request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
-                token_ids=list(req.output_token_ids), new_token_ids=new_ids,
-                logprobs=req.output_logprobs, finished=req.finished, finish_reason=req.finish_reason,
-                num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-                time=now,
-            )
-            if stream is not None:
-                out.new_text = stream.release(req.finished)
-                out.text = stream.text[: stream.released]
-            if req.finished:
-                self.streams.pop(req.request_id, None)
-            outputs.append(out)
+            outputs.append(self._output(req, new_ids, now))
         return outputs
+
+    def _output(self, req: Request, new_ids: list[int], now: float) -> RequestOutput:
+        """The request's output as of now; the last one when it has finished (its text stream is
+        then let go)."""
+        out = RequestOutput(
+            request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), new_token_ids=new_ids,
+            logprobs=req.output_logprobs, finished=req.finished, finish_reason=req.finish_reason,
+            num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            time=now,
+        )
+        stream = self.streams.pop(req.request_id, None) if req.finished else self.streams.get(req.request_id)
+        if stream is not None:
+            out.new_text = stream.release(req.finished)
+            out.text = stream.text[: stream.released]
+        return out

@@ -57,6 +57,9 @@ class _Started:
     def abort(self) -> None:
         self.stream.abort()
 
+    async def ended(self) -> RequestOutput:
+        return await self.stream.ended()
+
     async def __aenter__(self) -> _Started:
         return self
 

@@ -36,7 +36,9 @@ class Meter:
         self.readiness_seconds = 0.0  # idle capacity held for the fast lane, not yet charged
         self.tier_seconds = dict.fromkeys(TIERS, 0.0)  # attributed_seconds by the lane charged
 
-    def on_step(self, engine, plan: StepPlan, result: StepResult, outputs) -> None:
+    def on_step(self, engine, plan: StepPlan | None, result: StepResult | None, outputs) -> None:
+        if plan is None:  # requests aborted between steps: every step they were in is charged already
+            return
         model = engine.step_model
         coefficients = model.coefficients.get(plan.kernel, _TOKENS_ONLY) if model is not None else _TOKENS_ONLY
         shares = attribute(plan, result.seconds, coefficients, 1.0)

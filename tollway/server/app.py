@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -29,6 +29,7 @@ from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
 from tollway.server.call_ids import trusted_call_id
 from tollway.server.dashboard import dashboard_router
+from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
 from tollway.server.errors import APIError
 from tollway.server.generation import (
     Generation, completion_logprobs, ledger_row, request_tags, sampling_params, token_entry, token_prompts,
@@ -38,6 +39,7 @@ from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.service_tier import tier_for
+from tollway.server.watchdog import Watchdog
 from tollway.storage.database import Database
 
 
@@ -55,8 +57,11 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         engine.observe(meter.on_step)
         if metrics is not None:
             metrics.bill(meter)
-    stats = LiveStats(meter)
+    stats = LiveStats(meter, engine)
     engine.observe(stats.on_step)  # after the meter's: it reads the meter's charges for the step
+    watchdog = Watchdog(engine)
+    if metrics is not None:
+        metrics.watch(engine, watchdog)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -76,10 +81,16 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.config.scheduler.max_model_len
 
+    app.state.watchdog = watchdog
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.alive:
             raise APIError(503, "the engine has stopped")
+        stuck = watchdog.check()
+        if stuck:
+            return JSONResponse(errors.error_body(503, f"stuck: {'; '.join(stuck)}", code="stalled") | {"stalled": stuck},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -115,23 +126,33 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         return trusted_call_id(request.headers, fleet_secret)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, key: KeySpec | None = Depends(caller),
+    async def completions(request: Request, req: CompletionRequest, key: KeySpec | None = Depends(caller),
                           x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(call_id)):
-        return await _serve(req, "completion", key, request_tags(req, x_tollway_tags), call)
+        return await _serve(request, req, "completion", key, request_tags(req, x_tollway_tags), call)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, key: KeySpec | None = Depends(caller),
+    async def chat_completions(request: Request, req: ChatCompletionRequest, key: KeySpec | None = Depends(caller),
                                x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(call_id)):
-        return await _serve(req, "chat", key, request_tags(req, x_tollway_tags), call)
+        return await _serve(request, req, "chat", key, request_tags(req, x_tollway_tags), call)
 
-    async def _serve(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None,
-                     tags: list[str], call: str | None):
+    async def _serve(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
+                     key: KeySpec | None, tags: list[str], call: str | None) -> Response:
+        """A client that hangs up has its request withdrawn (aborted in the engine, billed for
+        what ran) wherever it was: being admitted, queued, running, or streaming."""
+        try:
+            return await unless_disconnected(request, _respond(req, kind, key, tags, call))
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request": no one reads it
+
+    async def _respond(req: CompletionRequest | ChatCompletionRequest, kind: str, key: KeySpec | None,
+                       tags: list[str], call: str | None) -> Response:
         tier = gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
         gen = await _start(req, kind, tier, key, tags, call)
         echo = kind == "completion" and req.echo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(gen, include_usage, echo), media_type="text/event-stream")
+            return ClosingStreamingResponse(_sse(gen, include_usage, echo), lambda: _withdraw(gen),
+                                            media_type="text/event-stream")
         body = await _collect(gen, echo)
         headers = {"x-tollway-cost": f"{body['usage']['cost']:.10f}"} if meter is not None else None
         return JSONResponse(body, headers=headers)
@@ -172,26 +193,40 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                 gen.metered = True
                 meter.watch(gen.request_ids(len(prompts) * req.n))
             await gen.start(engine, prompts, params)
-        except BaseException:
-            if meter is not None:  # refused before any engine work: nothing to record, nothing to hold
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and (gen.metered or meter is None):
+                _withdraw(gen)  # the client left while it was being added: abort what lands, bill what ran
+            elif meter is not None:  # refused before any engine work: nothing to record, nothing to hold
                 gen.metered = False
                 meter.release(gen.request_ids(len(prompts) * req.n))
                 asyncio.get_running_loop().run_in_executor(None, meter.budgets.release, gen.id)
             raise
         return gen
 
-    async def _settle(gen: Generation, wait: bool = True) -> None:
-        """Write the request's ledger row (durably, before its response ends, when `wait`),
-        and put its cost and price into gen.usage()."""
-        if not gen.metered:
-            return
-        gen.metered = False
+    settling: set[asyncio.Task] = set()  # ledger rows of withdrawn calls, being written
+
+    async def _settle(gen: Generation) -> None:
+        """Write the call's ledger row durably (before its response ends), once however the
+        call ends, and put its cost and price into gen.usage()."""
+        if gen.metered:
+            gen.metered = False
+            await _record(gen)
+
+    async def _record(gen: Generation) -> None:
+        await gen.ended()  # the engine's last word on every choice: all the steps it was in
         row = ledger_row(gen, meter)
         gen.cost, gen.price, gen.engine_seconds = row.cost, row.price, row.engine_seconds
-        if wait:
-            await asyncio.to_thread(meter.settle, row)
-        else:  # the caller is gone (or going): record it without holding anyone up
-            asyncio.get_running_loop().run_in_executor(None, meter.settle, row)
+        await asyncio.to_thread(meter.settle, row)
+
+    def _withdraw(gen: Generation) -> None:
+        """The call ends early or has ended (its caller may be gone): abort what still runs, and
+        settle in the background once the engine has ended each abort."""
+        gen.abort()
+        if gen.metered:
+            gen.metered = False
+            task = asyncio.get_running_loop().create_task(_record(gen))
+            settling.add(task)
+            task.add_done_callback(settling.discard)
 
     async def _collect(gen: Generation, echo: bool) -> dict:
         """Run the choices to the end: the non-streaming response body."""
@@ -200,8 +235,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                 _absorb(choice, out)
             await _settle(gen)
         finally:
-            gen.abort()
-            await _settle(gen, wait=False)
+            _withdraw(gen)
         return gen.envelope([_final_choice(gen, c, echo) for c in gen.choices], usage=gen.usage())
 
     async def complete_in_batch_lane(url: str, body: dict) -> dict:
@@ -273,10 +307,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
             yield _event(errors.error_body(e.status, e.message, e.param, e.code))
         except Exception as e:  # noqa: BLE001 -- the engine died under this stream
             yield _event(errors.error_body(500, f"internal error: {type(e).__name__}"))
-        finally:
-            gen.abort()
-            await _settle(gen, wait=False)
-        yield "data: [DONE]\n\n"
+        yield "data: [DONE]\n\n"  # the response's on_close withdraws and settles whatever is left
 
     return app
 

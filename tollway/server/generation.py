@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tollway.async_engine import AsyncEngine, RequestStream
+from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
 from tollway.model.tokenizer import Tokenizer
 from tollway.outputs import RequestOutput
@@ -49,19 +49,25 @@ class Generation:
         self.price: float | None = None
         self.engine_seconds: float | None = None
         self.prompts: list[list[int]] = []
+        self.n = 1  # choices per prompt
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
+        self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
         self._pumps: list[asyncio.Task] = []
 
     async def start(self, engine: AsyncEngine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         """Submit every choice; if any is refused, withdraw the others and raise."""
-        self.prompts = prompts
+        self.prompts, self.n = prompts, len(params)
         try:
             for p, prompt in enumerate(prompts):
                 for i, sp in enumerate(params):
                     index = p * len(params) + i
                     self.choices.append(Choice(index, prompt))
-                    self.streams.append(await engine.add(prompt, sp, self.tier, self.request_id(index)))
+                    # Shielded: a caller that leaves meanwhile must not lose the stream of an add
+                    # that lands anyway, or what it ran would go unaborted and unbilled.
+                    self._adding = asyncio.ensure_future(engine.add(prompt, sp, self.tier, self.request_id(index)))
+                    self.streams.append(await asyncio.shield(self._adding))
+                    self._adding = None
         except QueueFullError as e:
             self.abort()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
@@ -77,11 +83,31 @@ class Generation:
         return [self.request_id(i) for i in range(count)]
 
     def abort(self) -> None:
-        """Withdraw every choice still running (a no-op for finished ones)."""
+        """Withdraw every choice still running (a no-op for finished ones), and one still being
+        added once it lands."""
         for task in self._pumps:
             task.cancel()
         for stream in self.streams:
             stream.abort()
+        if self._adding is not None:
+            self._adding.add_done_callback(_abort_added)
+
+    async def ended(self) -> None:
+        """Wait for the engine's last output of every choice and fold it in: after an abort it
+        counts the tokens made after the caller stopped reading, which the ledger bills too. A
+        stopped engine leaves the choices as they were last seen."""
+        if self._adding is not None:
+            await asyncio.wait([self._adding])
+            if not self._adding.cancelled() and self._adding.exception() is None:
+                self.streams.append(self._adding.result())
+            self._adding = None
+        for choice, stream in zip(self.choices, self.streams):
+            try:
+                out = await stream.ended()
+            except EngineDeadError:
+                continue
+            choice.output, choice.token_ids = out, list(out.token_ids)
+            choice.finish_reason = choice.finish_reason or out.finish_reason
 
     async def updates(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come, interleaved. Abandoning it aborts them all."""
@@ -124,6 +150,11 @@ class Generation:
         return "text_completion"
 
 
+def _abort_added(add: asyncio.Future) -> None:
+    if not add.cancelled() and add.exception() is None:
+        add.result().abort()
+
+
 MAX_TAGS = 16
 
 
@@ -142,21 +173,27 @@ def request_tags(req: SamplingFields, header: str | None) -> list[str]:
 def ledger_row(gen: Generation, meter) -> LedgerRow:
     """The ledger's row for a finished (or abandoned) API call: every choice summed."""
     outs = [c.output for c in gen.choices if c.output is not None]
-    usage = gen.usage()
-    n = len(gen.choices) // max(1, len(gen.prompts))
-    cached = sum(c.output.num_cached_prompt_tokens for c in gen.choices[::max(1, n)] if c.output is not None)
+    completion = sum(len(c.token_ids) for c in gen.choices)
+    # A prompt is billed once any of its choices was scheduled; one aborted while it waited
+    # used nothing. Once per prompt, however many choices: the first scheduled one counts.
+    ran: dict[int, RequestOutput] = {}
+    for c in gen.choices:
+        if c.output is not None and c.output.first_scheduled_time is not None:
+            ran.setdefault(c.index // gen.n, c.output)
+    prompt = sum(len(gen.prompts[p]) for p in ran)
+    cached = sum(o.num_cached_prompt_tokens for o in ran.values())
     arrival = min((o.arrival_time for o in outs), default=None)
     scheduled = [o.first_scheduled_time for o in outs if o.first_scheduled_time is not None]
     first_tokens = [o.first_token_time for o in outs if o.first_token_time is not None]
-    seconds = meter.release(gen.request_ids(len(gen.choices)))
+    seconds = meter.release(gen.request_ids(len(gen.prompts) * gen.n))  # all watched, added or not
     finish = {c.finish_reason or "abort" for c in gen.choices}
     return LedgerRow(
         id=gen.id, created=gen.arrived, key=gen.key, tier=gen.tier, model=gen.model,
-        prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"], cached_tokens=cached,
+        prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
         queue_seconds=min(scheduled) - arrival if scheduled else None,
         ttft_seconds=min(first_tokens) - arrival if first_tokens else None,
         e2e_seconds=time.time() - gen.arrived, engine_seconds=seconds, cost=meter.cost(seconds),
-        price=meter.price_card.billed(gen.tier, usage["prompt_tokens"], usage["completion_tokens"]),
+        price=meter.price_card.billed(gen.tier, prompt, completion),
         finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
     )
 

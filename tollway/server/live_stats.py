@@ -42,10 +42,12 @@ class StepSample:
 
 
 class LiveStats:
-    def __init__(self, meter=None):
+    def __init__(self, meter=None, engine=None):
         """`meter`, when given, must be observing the same engine, before this: its per-lane
-        charges give the cost figures (without it there are none)."""
-        self.meter = meter
+        charges give the cost figures (without it there are none). `engine` (an AsyncEngine):
+        the current running and waiting counts and KV use are its published occupancy, not
+        the last step's, which an abort after it would leave stale."""
+        self.meter, self.engine = meter, engine
         self._lock = threading.Lock()
         self._steps: deque[StepSample] = deque(maxlen=MAX_STEPS)
         self._ttft = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (time, seconds)
@@ -59,7 +61,10 @@ class LiveStats:
         return tuple(self.meter.tier_seconds[t] for t in TIERS) if self.meter else (0.0,) * len(TIERS)
 
     def on_step(self, engine, plan, result, outputs) -> None:
-        """Called on the engine thread after a step that ran (plan has sequences)."""
+        """Called on the engine thread after a step that ran (plan has sequences); aborts
+        between steps (plan None) are no step, and no finish."""
+        if plan is None:
+            return
         sched, now = engine.scheduler, time.monotonic()
         tokens, finished = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
         queried = hits = generated = 0
@@ -112,6 +117,7 @@ class LiveStats:
         recent = [s for s in steps if s.time > now - WINDOW]
         price = self.meter.price_card.price_per_second if self.meter else None
         latest = steps[-1] if steps else None
+        held = self.engine.occupancy if self.engine else None  # None: no engine behind it (tests)
         tiers = {}
         for i, tier in enumerate(TIERS):
             tier_tokens = sum(s.tier_tokens[i] for s in recent)
@@ -119,7 +125,7 @@ class LiveStats:
             tiers[tier] = {
                 **lane_latency(ttft[tier], tpot[tier]),
                 "finished": sum(s.tier_finished[i] for s in recent),
-                "running": latest.running[i] if latest else 0, "waiting": latest.waiting[i] if latest else 0,
+                "running": held.running[tier] if held else 0, "waiting": held.waiting[tier] if held else 0,
                 "tokens": tier_tokens, "cost": cost, "cost_per_m_tokens": per_million(cost, tier_tokens),
             }
         queried = sum(s.prefix_queried for s in recent)
@@ -127,7 +133,7 @@ class LiveStats:
                       busy=min(1.0, sum(s.seconds for s in recent) / span))
         body = {
             "window": WINDOW, "history": HISTORY, "totals": totals, "tiers": tiers,
-            "kv_usage": latest.kv_usage if latest else 0.0,
+            "kv_usage": held.kv_usage if held else 0.0,
             "prefix_cache": prefix_cache(queried, sum(s.prefix_hits for s in recent)),
             "timeline": _timeline([s for s in steps if s.time > now - HISTORY], now),
             "economics": _economics(steps, price),

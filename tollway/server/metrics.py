@@ -2,13 +2,16 @@
 request is involved, so each lane's latency and load can be read apart.
 
 Fed from the engine thread after every step (AsyncEngine's on_step hook): the plan, its
-measured time and the outputs it produced. With a meter (bill()), its cost per lane and
-budgets' spend are read from it at scrape time. Scraping reads the registry from the event loop;
-prometheus_client's metrics are thread-safe.
+measured time and the outputs it produced, and the final outputs of requests aborted between
+steps. What the engine holds now (requests running and waiting, KV in use) is read at scrape
+time from the occupancy the engine publishes after every change (watch()), so it is never
+stale for want of a step; so are the watchdog's findings. With a meter (bill()), its cost per
+lane and budgets' spend are read from it at scrape time. Scraping reads the registry from the
+event loop; prometheus_client's metrics are thread-safe.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tollway.config import TIERS
@@ -31,14 +34,10 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("tollway:request_queue_time_seconds", "Arrival to first scheduled.", tier,
                                buckets=_LATENCY, registry=r)
-        self.running = Gauge("tollway:num_requests_running", "Requests with KV in the cache.", tier, registry=r)
-        self.waiting = Gauge("tollway:num_requests_waiting", "Requests queued (incl. preempted).", tier, registry=r)
         self.prompt_tokens = Counter("tollway:prompt_tokens", "Prompt tokens of finished requests.", tier, registry=r)
         self.generation_tokens = Counter("tollway:generation_tokens", "Generated tokens.", tier, registry=r)
         self.finished = Counter("tollway:request_success", "Finished requests.", tier + ["finished_reason"], registry=r)
         self.preemptions = Counter("tollway:num_preemptions", "Requests preempted (by recompute).", tier, registry=r)
-        self.kv_usage = Gauge("tollway:kv_cache_usage_perc", "Share of KV blocks in use (0-1).", ["model_name"],
-                              registry=r)
         self.prefix_queries = Counter("tollway:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       ["model_name"], registry=r)
         self.prefix_hits = Counter("tollway:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -57,20 +56,18 @@ class Metrics:
                               ["model_name"], registry=r)
         self.accepted = Counter("tollway:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                 ["model_name"], registry=r)
-        for t in TIERS:  # every tier's series exists from the start, at zero
-            self.running.labels(model_name, t).set(0)
-            self.waiting.labels(model_name, t).set(0)
         self._last_token: dict[str, float] = {}
 
     def on_step(self, engine, plan, result, outputs) -> None:
-        """Called on the engine thread after a step that ran (plan has sequences)."""
+        """Called on the engine thread after a step that ran (plan has sequences), and with
+        plan None for requests aborted between steps."""
+        if plan is not None:
+            self._on_plan(engine.scheduler, plan, result)
+        for out in outputs:
+            self._on_output(out)
+
+    def _on_plan(self, sched, plan, result) -> None:
         m = self.model
-        sched = engine.scheduler
-        for t in TIERS:
-            self.running.labels(m, t).set(sched.running_in(t))
-            self.waiting.labels(m, t).set(len(sched.waiting[t]))
-        pool = sched.pool
-        self.kv_usage.labels(m).set(pool.num_used / pool.num_blocks)
         self.step_seqs.labels(m).observe(len(plan.seqs))
         self.step_tokens.labels(m).observe(plan.num_tokens)
         self.step_seconds.labels(m).observe(result.seconds)
@@ -86,10 +83,6 @@ class Metrics:
             request = sched.get(rid)
             if request is not None:
                 self.preemptions.labels(m, request.tier).inc()
-        for out in outputs:
-            self._on_output(out)
-        for rid in [r for r in self._last_token if sched.get(r) is None]:  # aborted: no finished output comes
-            del self._last_token[rid]
 
     def _on_output(self, out) -> None:
         m, labels = self.model, (self.model, out.tier)
@@ -113,12 +106,42 @@ class Metrics:
                 self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
                 self.finished.labels(m, out.tier, out.finish_reason).inc()
 
+    def watch(self, engine, watchdog) -> None:
+        """Serve the occupancy `engine` (an AsyncEngine) publishes, and `watchdog`'s count."""
+        self.registry.register(_EngineCollector(self.model, engine, watchdog))
+
     def bill(self, meter) -> None:
         """Also serve `meter`'s engine seconds and cost per lane, and its budgets' spend."""
         self.registry.register(_MeterCollector(self.model, meter))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """What the engine holds, as last published, and the watchdog's findings: read at scrape time."""
+
+    def __init__(self, model_name: str, engine, watchdog):
+        self.model, self.engine, self.watchdog = model_name, engine, watchdog
+
+    def collect(self):
+        occupancy = self.engine.occupancy
+        running = GaugeMetricFamily("tollway:num_requests_running", "Requests with KV in the cache.",
+                                    labels=["model_name", "tier"])
+        waiting = GaugeMetricFamily("tollway:num_requests_waiting", "Requests queued (incl. preempted).",
+                                    labels=["model_name", "tier"])
+        for t in TIERS:
+            running.add_metric([self.model, t], occupancy.running.get(t, 0))
+            waiting.add_metric([self.model, t], occupancy.waiting.get(t, 0))
+        kv = GaugeMetricFamily("tollway:kv_cache_usage_perc", "Share of KV blocks in use (0-1).", labels=["model_name"])
+        kv.add_metric([self.model], occupancy.kv_usage)
+        self.watchdog.check()
+        stalled = CounterMetricFamily("tollway:stalled_requests",
+                                      "Requests found holding a slot without progress for longer than any step "
+                                      "takes, and stretches of KV held with no request (the watchdog's).",
+                                      labels=["model_name"])
+        stalled.add_metric([self.model], self.watchdog.stalls)
+        return [running, waiting, kv, stalled]
 
 
 class _MeterCollector:
