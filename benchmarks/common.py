@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+# The instruction sets that decide which integer dot-product kernels a CPU can run.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
+
 
 def machine_info() -> dict:
     cpu, flags = platform.machine(), set()
@@ -27,7 +30,8 @@ def machine_info() -> dict:
         "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "avx512_bf16": "avx512_bf16" in flags, "python": platform.python_version(),
+        "avx512_bf16": "avx512_bf16" in flags, "isa_flags": [f for f in ISA_FLAGS if f in flags],
+        "python": platform.python_version(),
         "load_average_at_start": os.getloadavg()[0],
     }
 

@@ -1,0 +1,389 @@
+"""Side by side with the peer: `tollway serve` and llama.cpp's `llama-server` on the same default
+GGUF (Gemma 3 270M Q4_K_M), one after the other in one run, under the same `tollway bench` loads.
+
+    python benchmarks/vs_llamacpp.py          # about 20 min on a busy 2-core machine (+ a first build)
+    python benchmarks/vs_llamacpp.py --quick  # a few minutes, for development; writes benchmarks/out/ only
+
+The peer is built on the first run: `llama-server` and `llama-batched-bench` from the
+`vendor/llama.cpp` of the pinned `llama-cpp-python` sdist on PyPI, with CMake and
+`-DGGML_NATIVE=ON`, into the user cache (`<cache>/tollway/llama.cpp/<version>/`); later runs
+reuse it. Needs cmake and a C++ compiler for that first build.
+
+Loads, each with its own prompts (the same prompts for both servers; `ignore_eos`, so both
+generate exactly the requested tokens; greedy): 1 stream, 16 and 64 concurrent streams (128-token
+prompts, 128 new tokens), and the TTFT of a 2048-token prompt. The first wave of each load
+warms the server up and is not measured. Every figure is a ratio tollway / llama-server from
+this one run, beside both servers' peak resident memory. `llama-batched-bench` adds the peer's
+engine alone, without HTTP. Writes benchmarks/results/vs_llamacpp.json and a section of
+benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
+
+from bench_example import free_port  # noqa: E402
+from common import machine_info, run_benchmark, targets_line  # noqa: E402
+from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
+from tollway.bench.workload import Lengths, Workload  # noqa: E402
+from tollway.model.tokenizer import Tokenizer  # noqa: E402
+from tollway.model.weights import DEFAULT_MODEL, cache_root, resolve_model, tokenizer_path  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is the peer; bump to move the peer on
+PEER_TARGETS = ("llama-server", "llama-batched-bench")
+WARMUP_SECONDS = 0.5  # every request sent this early in a load (its first wave) only warms up
+
+
+@dataclass
+class Load:
+    name: str
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+    requests: int  # measured, after the first wave
+    seed: int  # a seed per load: no load's prompts repeat another's, so no prefix cache helps
+
+
+FULL = dict(loads=[Load("1 stream", 1, 128, 128, 8, 1), Load("16 streams", 16, 128, 128, 32, 2),
+                   Load("64 streams", 64, 128, 128, 64, 3), Load("2048-token prompt", 1, 2048, 1, 3, 4)],
+            batched_bench=dict(npp=128, ntg=128, npl=(1, 16, 64)))
+QUICK = dict(loads=[Load("1 stream", 1, 128, 32, 2, 1), Load("16 streams", 16, 128, 32, 16, 2),
+                    Load("2048-token prompt", 1, 2048, 1, 1, 4)],
+             batched_bench=dict(npp=128, ntg=32, npl=(1, 16)))
+
+
+# --- The peer's binaries --------------------------------------------------------------------
+
+def peer_binaries() -> dict:
+    """{'folder', 'build_seconds', ...}: llama.cpp built for this CPU, from the cache or built now."""
+    folder = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
+    stamp = folder / "build.json"
+    cpu = _cpu_flags()
+    if stamp.is_file():
+        built = json.loads(stamp.read_text())
+        if built["cpu_flags"] == cpu and all((folder / t).is_file() for t in PEER_TARGETS):
+            return built | {"folder": str(folder), "built_now": False}
+        print("vs_llamacpp: the cached llama.cpp was built for another CPU; rebuilding", file=sys.stderr)
+    built = _build_peer(folder) | {"cpu_flags": cpu, "llama_cpp_python": LLAMA_CPP_PYTHON}
+    stamp.write_text(json.dumps(built, indent=1) + "\n")
+    return built | {"folder": str(folder), "built_now": True}
+
+
+def _cpu_flags() -> list[str]:
+    # GGML_NATIVE compiles for this CPU's instruction set: a cache shared with another CPU must rebuild.
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return sorted(line.partition(":")[2].split())
+    return []
+
+
+def _build_peer(folder: Path) -> dict:
+    missing = [tool for tool in ("cmake", os.environ.get("CXX", "c++"), os.environ.get("CC", "cc"))
+               if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"vs_llamacpp: building llama.cpp needs cmake and a C/C++ compiler; not found: "
+                         f"{', '.join(missing)}")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tollway-llama.cpp-") as tmp:
+        tmp = Path(tmp)
+        print(f"vs_llamacpp: downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist for its llama.cpp",
+              file=sys.stderr)
+        _run_or_exit([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
+                      f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp)], "pip download llama-cpp-python")
+        with tarfile.open(next(tmp.glob("llama_cpp_python-*.tar.gz"))) as sdist:
+            vendor = [m for m in sdist.getmembers() if "/vendor/llama.cpp/" in m.name]
+            sdist.extractall(tmp, members=vendor, filter="data")
+        source = next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        commit = _vendored_commit(source.parent.parent / "CHANGELOG.md")
+        build = tmp / "build"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _run_or_exit(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
+                      "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                      # static, so the two binaries are all the cache keeps; and nothing the run
+                      # does not need (no tests, examples, web UI download or TLS)
+                      "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                      "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+                     "cmake configure")
+        _build_with_progress(["cmake", "--build", str(build), "--parallel", str(os.cpu_count()),
+                              "--target", *PEER_TARGETS], tmp / "build.log")
+        folder.mkdir(parents=True, exist_ok=True)
+        for target in PEER_TARGETS:
+            shutil.copy2(build / "bin" / target, folder / target)
+    return {"llama_cpp_commit": commit, "build_seconds": round(time.perf_counter() - start, 1),
+            "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _vendored_commit(changelog: Path) -> str | None:
+    """The llama.cpp commit the sdist vendors, as its changelog names it (the vendored copy has no .git)."""
+    if not changelog.is_file():
+        return None
+    section = changelog.read_text().partition(f"## [{LLAMA_CPP_PYTHON}]")[2].partition("\n## [")[0]
+    found = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section)
+    return found[1] if found else None
+
+
+def _run_or_exit(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vs_llamacpp: {what} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+def _build_with_progress(command: list[str], log: Path) -> None:
+    """The build under a bar fed by its own counter: ninja's [n/N] or make's [ n%]."""
+    counter = re.compile(r"^\[\s*(\d+)(?:/(\d+)|%)\]")
+    with open(log, "w") as out, tqdm(desc="building llama.cpp", unit="step") as bar:
+        build = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in build.stdout:
+            out.write(line)
+            if match := counter.match(line):
+                bar.total = int(match[2] or 100)
+                bar.update(int(match[1]) - bar.n)
+    if build.wait() != 0:
+        raise SystemExit(f"vs_llamacpp: building llama.cpp failed:\n{log.read_text()[-3000:]}")
+
+
+# --- The two servers ------------------------------------------------------------------------
+
+def _llama_server_command(folder: Path, gguf: Path, port: int, loads: list[Load]) -> list[str]:
+    slots = max(load.concurrency for load in loads)
+    # Each slot holds the longest request: without -kvu a slot's KV is its own (split, as the
+    # server does by default for an explicit -np), so decode streams attend only their own cells.
+    per_slot = max(load.prompt_tokens + load.output_tokens for load in loads) + 256
+    threads = str(os.cpu_count())
+    return [str(folder / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--alias", DEFAULT_MODEL, "-np", str(slots), "-c", str(slots * per_slot), "-t", threads, "-tb", threads,
+            "--cont-batching"]
+
+
+def _tollway_command(port: int, data: Path) -> list[str]:
+    return [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--threads", str(os.cpu_count()),
+            "--data-dir", str(data), "--keys-db", str(data / "keys.sqlite")]
+
+
+@contextmanager
+def serving(name: str, command: list[str], port: int, log: Path):
+    """A server started, healthy, and stopped (SIGINT, then kill) when the block ends."""
+    # PYTHONPATH: tollway serve runs this checkout's tollway, as the bench process does.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 900  # a first tollway start compiles and measures its kernels
+        with tqdm(desc=f"starting {name}", unit="s", bar_format="{desc}: {elapsed}") as bar:
+            while True:
+                if server.poll() is not None:
+                    raise SystemExit(f"vs_llamacpp: {name} exited with {server.returncode} before it was "
+                                     f"healthy:\n{log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"vs_llamacpp: {name} was not healthy after 900 s; its log: {log}")
+                time.sleep(1.0)
+                bar.update()
+        yield server
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def resident_memory(pid: int) -> dict:
+    """Peak and current resident set of a process, in MiB (/proc/<pid>/status)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {"peak_mib": int(fields["VmHWM"].split()[0]) / 1024, "now_mib": int(fields["VmRSS"].split()[0]) / 1024}
+
+
+def run_loads(name: str, command: list[str], port: int, loads: list[Load], tokenizer, log: Path) -> dict:
+    with serving(name, command, port, log) as server:
+        figures = {}
+        for load in loads:
+            print(f"{name}: {load.name}", file=sys.stderr)
+            workload = Workload(Lengths(load.prompt_tokens, 0, load.prompt_tokens, load.prompt_tokens),
+                                Lengths(load.output_tokens, 0, load.output_tokens, load.output_tokens),
+                                ignore_eos=True, seed=load.seed)
+            config = BenchConfig(f"http://127.0.0.1:{port}", DEFAULT_MODEL, workload,
+                                 Limits(max_requests=load.requests, warmup=WARMUP_SECONDS),
+                                 [Profile(load.name, concurrency=load.concurrency)], label=name)
+            figures[load.name] = _load_figures(run_bench(config, tokenizer, show=True))
+        return {"loads": figures, "memory": resident_memory(server.pid)}
+
+
+def _load_figures(result: dict) -> dict:
+    """What a load's bench result says about the server, in seconds and tokens."""
+    stage = result["stages"][0]
+    s = stage["summary"]["all"]
+    measured = [r for r in stage["requests"] if not r["warmup"] and r["error"] is None]
+    return {"completed": s["completed"], "errors": s["errors"], "window_s": stage["summary"]["window"],
+            "output_tok_s": s["output_tok_s"], "ttft_p50_s": s["ttft"]["p50"], "ttft_p90_s": s["ttft"]["p90"],
+            "tpot_p50_s": s["tpot"]["p50"], "tok_s_per_user_p50": s["tok_s_per_user"]["p50"],
+            "prompt_tokens": sorted({r["prompt_tokens"] for r in measured}),
+            "output_tokens": sorted({r["output_tokens"] for r in measured})}
+
+
+def batched_bench(folder: Path, gguf: Path, settings: dict) -> list[dict]:
+    """llama-batched-bench's rows (JSONL): the peer's engine alone, prompts not shared."""
+    npl = settings["npl"]
+    threads = str(os.cpu_count())
+    context = max(npl) * (settings["npp"] + settings["ntg"]) * 2  # room to spare in each sequence's split
+    command = [str(folder / "llama-batched-bench"), "-m", str(gguf), "-c", str(context),
+               "-b", "2048", "-ub", "512", "-npp", str(settings["npp"]), "-ntg", str(settings["ntg"]),
+               "-npl", ",".join(map(str, npl)), "-t", threads, "-tb", threads, "--output-format", "jsonl"]
+    print(f"llama-batched-bench: B = {', '.join(map(str, npl))}", file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vs_llamacpp: llama-batched-bench failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+# --- The run --------------------------------------------------------------------------------
+
+def _tollway_source() -> dict:
+    """The commit this checkout is at, and its uncommitted changes under tollway/: what was measured."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "tollway").splitlines()}
+
+
+def run(settings: dict, quick: bool) -> dict:
+    machine, source = machine_info(), _tollway_source()  # before the servers start: others may commit meanwhile
+    peer = peer_binaries()
+    folder, gguf = Path(peer["folder"]), resolve_model(DEFAULT_MODEL)
+    loads = settings["loads"]
+    tokenizer = Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
+    servers = {}
+    with tempfile.TemporaryDirectory(prefix="tollway-vs-llamacpp-") as tmp:
+        tmp = Path(tmp)
+        port = free_port()
+        servers["tollway"] = run_loads("tollway", _tollway_command(port, tmp), port, loads, tokenizer,
+                                       tmp / "tollway.log")
+        port = free_port()
+        llama = _llama_server_command(folder, gguf, port, loads)
+        servers["llama-server"] = run_loads("llama-server", llama, port, loads, tokenizer, tmp / "llama-server.log")
+    machine["load_average_at_end_of_servers"] = os.getloadavg()[0]
+    engine_alone = batched_bench(folder, gguf, settings["batched_bench"])
+    machine["load_average_at_end"] = os.getloadavg()[0]
+    return {"command": "python benchmarks/vs_llamacpp.py" + (" --quick" if quick else ""),
+            "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
+            "peer": {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": peer["llama_cpp_commit"],
+                     "build_seconds": peer["build_seconds"], "built_now": peer["built_now"],
+                     "llama_server_command": " ".join([Path(llama[0]).name, *llama[1:]])
+                     .replace(str(gguf), "<gguf>").replace(f"--port {port}", "--port <port>")},
+            "gguf": gguf.name, "loads": [asdict(load) for load in loads], "servers": servers,
+            "ratios": ratios(servers, loads), "llama_batched_bench": engine_alone}
+
+
+def ratios(servers: dict, loads: list[Load]) -> dict:
+    """tollway / llama-server per figure: above 1 is better for tok/s, below 1 for TTFT."""
+    ours, peer = servers["tollway"]["loads"], servers["llama-server"]["loads"]
+    out = {}
+    for load in loads:
+        keys = ["ttft_p50_s"] if load.output_tokens == 1 else ["output_tok_s", "tok_s_per_user_p50", "ttft_p50_s"]
+        out[load.name] = {k: ours[load.name][k] / peer[load.name][k] for k in keys}
+    out["peak_memory"] = servers["tollway"]["memory"]["peak_mib"] / servers["llama-server"]["memory"]["peak_mib"]
+    return out
+
+
+def targets(r: dict) -> dict[str, bool]:
+    """Issue 20's targets, where this run measured their loads."""
+    q, ours = r["ratios"], r["servers"]["tollway"]["loads"]
+    found = {}
+    if "1 stream" in q:
+        found["1_stream_tok_s_at_least_1x"] = q["1 stream"]["tok_s_per_user_p50"] >= 1.0
+        found["1_stream_ttft_at_most_1x"] = q["1 stream"]["ttft_p50_s"] <= 1.0
+    if "64 streams" in q:
+        found["64_streams_tok_s_at_least_3x"] = q["64 streams"]["output_tok_s"] >= 3.0
+        found["64_streams_at_least_6x_1_stream"] = (ours["64 streams"]["output_tok_s"]
+                                                    >= 6 * ours["1 stream"]["output_tok_s"])
+    if "2048-token prompt" in q:
+        found["2048_prompt_ttft_at_most_1x"] = q["2048-token prompt"]["ttft_p50_s"] <= 1.0
+    return found
+
+
+# --- The README section ---------------------------------------------------------------------
+
+def markdown(r: dict, raw: str) -> str:
+    m, peer = r["machine"], r["peer"]
+    ours, theirs, q = r["servers"]["tollway"]["loads"], r["servers"]["llama-server"]["loads"], r["ratios"]
+    rows = []
+    for load in r["loads"]:
+        name = load["name"]
+        if load["output_tokens"] == 1:
+            rows.append(_row(f"{name}: TTFT ms (lower is better)", ours[name]["ttft_p50_s"] * 1e3,
+                             theirs[name]["ttft_p50_s"] * 1e3, q[name]["ttft_p50_s"]))
+            continue
+        rows.append(_row(f"{name}: output tok/s", ours[name]["output_tok_s"], theirs[name]["output_tok_s"],
+                         q[name]["output_tok_s"]))
+        rows.append(_row(f"{name}: tok/s per stream (p50)", ours[name]["tok_s_per_user_p50"],
+                         theirs[name]["tok_s_per_user_p50"], q[name]["tok_s_per_user_p50"]))
+        rows.append(_row(f"{name}: TTFT ms (p50, lower is better)", ours[name]["ttft_p50_s"] * 1e3,
+                         theirs[name]["ttft_p50_s"] * 1e3, q[name]["ttft_p50_s"]))
+    memory = {s: r["servers"][s]["memory"]["peak_mib"] for s in r["servers"]}
+    rows.append(_row("peak resident memory MiB (lower is better)", memory["tollway"], memory["llama-server"],
+                     q["peak_memory"]))
+    loads = "; ".join(f"{x['name']}: {x['requests']} measured requests ({x['prompt_tokens']}-token prompts, "
+                      f"{x['output_tokens']} new)" for x in r["loads"])
+    alone = ", ".join(f"B{row['pl']} {row['speed_tg']:.0f}" for row in r["llama_batched_bench"])
+    prefill = max(row["speed_pp"] for row in r["llama_batched_bench"])
+    source = r["tollway_source"]
+    dirty = f" with uncommitted changes to {len(source['uncommitted'])} files" if source["uncommitted"] else ""
+    return (f"Measured {r['date']} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
+            f"{', '.join(m['isa_flags'])}), torch {m['torch']}; tollway at {source['commit'][:10]}{dirty}; "
+            f"llama.cpp {peer['llama_cpp_commit']} (from llama-cpp-python {peer['llama_cpp_python']}), built with "
+            f"GGML_NATIVE in {peer['build_seconds'] / 60:.0f} min. Load average {m['load_average_at_start']:.1f} at "
+            f"start, {m['load_average_at_end']:.1f} at end. Raw: `{raw}`.\n\n"
+            f"Both on `{r['gguf']}`, one after the other, each under the same `tollway bench` loads (greedy, "
+            f"`ignore_eos`; the first wave of each load is warm-up): {loads}. `tollway serve --threads "
+            f"{m['cores']}` with its defaults; `{peer['llama_server_command']}`.\n\n"
+            "| figure | tollway | llama-server | tollway / llama-server |\n|---|---|---|---|\n"
+            + "\n".join(rows) + f"\n\n{token_counts_line(r)}\n\n"
+            f"The peer's engine alone (`llama-batched-bench`, no HTTP, {r['llama_batched_bench'][0]['pp']}-token "
+            f"prompts, {r['llama_batched_bench'][0]['tg']} new): decode {alone} tok/s; prefill up to {prefill:.0f} "
+            f"tok/s.\n\n{targets_line(targets(r))}")
+
+
+def token_counts_line(r: dict) -> str:
+    """Whether every measured request had the tokens asked for, on both servers; what differed if not."""
+    odd = []
+    for load in r["loads"]:
+        for server, figures in r["servers"].items():
+            got = figures["loads"][load["name"]]
+            if got["output_tokens"] != [load["output_tokens"]] or got["prompt_tokens"] != [load["prompt_tokens"]]:
+                odd.append(f"{server} at {load['name']} counted prompts of {got['prompt_tokens']} and outputs of "
+                           f"{got['output_tokens']} tokens")
+    return ("Token counts (the servers' usage): " + ("; ".join(odd) if odd else "every measured request had "
+            "exactly the prompt and output tokens asked for, on both servers") + ".")
+
+
+def _row(figure: str, ours: float, theirs: float, ratio: float) -> str:
+    return f"| {figure} | {ours:.1f} | {theirs:.1f} | **{ratio:.2f}** |"
+
+
+if __name__ == "__main__":
+    run_benchmark("vs_llamacpp", __doc__, run, markdown, FULL, QUICK)
