@@ -24,7 +24,7 @@ class Clock:
 
 
 def lanes(clock=None, tiers=None, **overrides) -> Scheduler:
-    config = SchedulerConfig(**{"int8_max_tokens": 32, "num_blocks": 1024, "block_size": 16, **overrides})
+    config = SchedulerConfig(**{"int8_max_tokens": 32, "dense_kernel": "fp32", "num_blocks": 1024, "block_size": 16, **overrides})
     if tiers:
         for name, fields in tiers.items():
             for k, v in fields.items():
@@ -299,7 +299,7 @@ def test_int8_is_never_chosen_past_the_measured_crossover():
     """The model has only seen int8 steps up to the crossover; past it, however cheap its
     extrapolation says int8 is, the dense kernel runs."""
     cheap_int8 = StepTimeModel({"int8": [0.01, 0.0001, 0.0, 0.0, 0.0], "fp32": [0.5, 0.01, 0.0, 0.0, 0.0]})
-    sched = Scheduler(SchedulerConfig(int8_max_tokens=32, num_blocks=64), cheap_int8, Clock())
+    sched = Scheduler(SchedulerConfig(int8_max_tokens=32, dense_kernel="fp32", num_blocks=64), cheap_int8, Clock())
     assert sched.kernel_for(StepShape("").plus(0, 32, 1)) == "int8"
     assert sched.kernel_for(StepShape("").plus(0, 33, 1)) == "fp32"
 

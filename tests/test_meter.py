@@ -19,7 +19,7 @@ COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.004], "fp32": [0.060, 0.002
 
 
 def _mixed_run(make_engine, tmp_path, policy: str):
-    engine = make_engine(policy=policy, max_num_seqs=24)
+    engine = make_engine(policy=policy, max_num_seqs=24, dense_kernel="fp32")
     # Not refitted from the measured steps: the plans then depend on the model alone, not on
     # how fast this machine happens to run today.
     engine.step_model = engine.scheduler.step_model = StepTimeModel(COEFFS, refit_every=10**9)

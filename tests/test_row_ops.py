@@ -9,7 +9,7 @@ import torch
 
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, Rotary
-from tollway.model.row_ops import NativeRowOps, TorchRowOps, compiled_library, row_ops_for
+from tollway.model.row_ops import NativeRowOps, TorchRowOps, row_ops_for, row_ops_library
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq
 
@@ -81,12 +81,12 @@ def test_a_row_alone_equals_the_same_row_in_a_batch(native):
 
 
 def test_the_build_is_reused_and_a_broken_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
-    first = compiled_library(tmp_path)
+    first = row_ops_library(tmp_path)
     assert first is not None and first.is_file()
     mtime = first.stat().st_mtime_ns
-    assert compiled_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert row_ops_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails: a different key, so a fresh build
-    assert compiled_library(tmp_path / "other") is None
+    assert row_ops_library(tmp_path / "other") is None
     assert "row_ops.c" in caplog.text
     assert type(row_ops_for(torch.device("cpu"), 256, tmp_path / "other")) is TorchRowOps
     assert not list((tmp_path / "other").rglob("*.so")) and not list((tmp_path / "other").rglob(".row_ops-*"))

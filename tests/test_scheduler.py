@@ -18,7 +18,7 @@ EOS = 0
 
 
 def make(**overrides) -> Scheduler:
-    return Scheduler(SchedulerConfig(**{"int8_max_tokens": 4, **overrides}))
+    return Scheduler(SchedulerConfig(**{"int8_max_tokens": 4, "dense_kernel": "fp32", **overrides}))
 
 
 def req(rid, prompt, max_tokens=16, tier="standard", **params) -> Request:
@@ -495,7 +495,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_blocks, max_num_seqs, budget, max_model_len, caching, seed, policy, shaped):
         config = SchedulerConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=budget, max_model_len=max_model_len,
-                                 enable_prefix_caching=caching, int8_max_tokens=4, policy=policy)
+                                 enable_prefix_caching=caching, int8_max_tokens=4, dense_kernel="fp32", policy=policy)
         # A step model makes lanes shape steps by time; tight targets make it skip and chunk.
         config.tiers["fast"].tpot_target, config.tiers["standard"].tpot_target = 0.05, 0.08
         config.tiers["fast"].reserved_kv_share = config.tiers["fast"].reserved_seq_share = 0.3

@@ -43,7 +43,10 @@ def matmul_floor_seconds(model: DecoderModel, kernel: str, num_tokens: int, repe
 
 
 def int8_crossover(model: DecoderModel, dense_kernel: str, sizes=(1, 2, 4, 8, 16, 32)) -> tuple[int, dict]:
-    """Largest step size (tokens) up to which int8 is at least as fast as `dense_kernel`, with the timings."""
+    """Largest step size (tokens) up to which int8 is at least as fast as `dense_kernel`, with the
+    timings; 0 when the model has no int8 copies (the config leaves int8 out beside q8)."""
+    if model.lm_head.int8 is None:
+        return 0, {}
     timings = {}
     crossover = 0
     for n in sizes:

@@ -5,6 +5,7 @@ dtype with the step's kernel, so the kernel choice is a per-step decision.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,7 +16,10 @@ import torch.nn.functional as F
 from tollway.scheduler.step_model import ROW_GROUP
 
 if TYPE_CHECKING:
+    from tollway.model.native.qmatmul import Q8Library
     from tollway.model.row_ops import TorchRowOps
+
+_log = logging.getLogger(__name__)
 
 # Keys are processed in blocks aligned to absolute position 0, and query rows are padded
 # to a multiple of 8 (below that, the CPU GEMM picks other kernels). Every sum then runs in
@@ -32,14 +36,25 @@ def norm_weight(weight: torch.Tensor, offset: float, device: torch.device) -> to
 
 
 class Linear:
-    """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick."""
+    """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick.
+
+    q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given and
+    in_features is a multiple of its block; otherwise that layer's q8 runs the fp32 matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None):
         w = weight.float()
         self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
-        self.fp32 = w.to(device) if "fp32" in kernels else None
+        self.q8 = None
+        if "q8" in kernels and q8 is not None:
+            if self.in_features % 32 == 0:
+                self.q8 = q8.pack(w)
+            else:
+                _log.warning("q8: a %dx%d linear has in_features not a multiple of 32; it runs the fp32 matmul",
+                             self.out_features, self.in_features)
+        q8_on_torch = "q8" in kernels and self.q8 is None
+        self.fp32 = w.to(device) if "fp32" in kernels or q8_on_torch else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
         if "int8" in kernels:
@@ -47,7 +62,9 @@ class Linear:
             self.int8, self.int8_scales = q.to(device), scales.to(device)
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        if kernel == "fp32":
+        if kernel == "q8" and self.q8 is not None:
+            y = self.q8(x)
+        elif kernel in ("fp32", "q8"):
             y = _padded_rows(x, lambda rows: F.linear(rows, self.fp32))
         elif kernel == "bf16":
             y = F.linear(x.to(torch.bfloat16), self.bf16).float()
@@ -71,8 +88,8 @@ class LinearBuilder:
     so the runner can keep them on disk: quantizing 270M weights takes seconds at every start."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], kernels: set[str], device: torch.device,
-                 int8: dict[str, torch.Tensor]):
-        self.tensors, self.kernels, self.device, self.int8 = tensors, kernels, device, int8
+                 int8: dict[str, torch.Tensor], q8: Q8Library | None = None):
+        self.tensors, self.kernels, self.device, self.int8, self.q8 = tensors, kernels, device, int8, q8
         self.quantized = False  # whether any int8 copy was made here rather than found
 
     def __call__(self, *names: str) -> Linear:
@@ -83,7 +100,7 @@ class LinearBuilder:
         if "int8" in self.kernels:
             parts = [self._int8(n) for n in names]
             int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
-        return Linear(weight, bias, self.kernels, self.device, int8)
+        return Linear(weight, bias, self.kernels, self.device, int8, self.q8)
 
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if name not in self.int8:

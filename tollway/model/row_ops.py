@@ -15,13 +15,7 @@ step's own activation tensor).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
+from tollway.model.native.build import compiled_library
 from tollway.model.weights import cache_root
 
-_log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("row_ops.c")
 # No -ffast-math: linking with it would switch the whole process to flush-to-zero. Without
 # trapping math, loops with float compares can vectorize.
@@ -155,49 +149,10 @@ def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLik
     # The attention kernel reads heads in 16-float pieces.
     if device.type != "cpu" or head_dim % 16 or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return TorchRowOps()
-    lib = compiled_library(cache_root(cache_dir) / "native")
+    lib = row_ops_library(cache_root(cache_dir) / "native")
     return NativeRowOps(ctypes.CDLL(str(lib))) if lib else TorchRowOps()
 
 
-def compiled_library(folder: Path) -> Path | None:
-    """row_ops.c built for this machine, reusing a build of the same source, flags, compiler
-    and CPU. None, with a warning, when there is no working C compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        _log.warning("no C compiler found: using torch for the row-wise ops (slower at small batches)")
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        source = _SOURCE.read_bytes()
-        key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
-                                         platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
-        lib = folder / f"row_ops-{key}.so"
-        if lib.is_file():
-            return lib
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".row_ops-", suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            built = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
-            if built.returncode != 0:
-                _log.warning("compiling row_ops.c failed, using torch for the row-wise ops:\n%s", built.stderr.strip())
-                return None
-            os.replace(tmp, lib)  # atomic: a concurrent start sees the old state or a whole library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return lib
-    except (OSError, subprocess.SubprocessError) as exc:
-        _log.warning("could not build row_ops.c (%s): using torch for the row-wise ops", exc)
-        return None
-
-
-def _cpu_flags() -> bytes:
-    # -march=native: a cached build is only valid on a CPU with the same instruction sets.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode()
+def row_ops_library(folder: Path) -> Path | None:
+    """row_ops.c built for this machine (see native/build.py); None without a working compiler."""
+    return compiled_library(_SOURCE, folder, _FLAGS, fallback="torch for the row-wise ops")

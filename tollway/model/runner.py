@@ -17,8 +17,9 @@ from tollway.model.host_memory import keep_freed_memory
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
+from tollway.model.native.qmatmul import q8_library
 from tollway.model.row_ops import row_ops_for
-from tollway.model.sampling import sample
+from tollway.model.sampling import only_argmax_needed, sample, sample_greedy
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 
 ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
@@ -36,7 +37,8 @@ class ModelRunner:
         self.block_size = sched.block_size
         max_positions = min(model_config.max_position_embeddings, sched.max_model_len)
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
-        build = LinearBuilder(tensors, kernels, device, int8)
+        q8 = q8_library(cache_dir) if "q8" in kernels and device.type == "cpu" else None
+        build = LinearBuilder(tensors, kernels, device, int8, q8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
             model_config, tensors, build, max_positions, row_ops_for(device, model_config.head_dim, cache_dir), device)
         if build.quantized and int8_cache:
@@ -61,8 +63,13 @@ class ModelRunner:
         tokens = {}
         if sampled:
             rows = torch.tensor([r for s in sampled for r in logit_rows[s.request_id]], device=self.device)
-            logits = self.model.logits(hidden.index_select(0, rows), plan.kernel)
-            for seq, kept in zip(sampled, sample(logits, sampled, self.generator)):
+            hidden = hidden.index_select(0, rows)
+            argmax = self.model.greedy_tokens(hidden, plan.kernel) if only_argmax_needed(sampled) else None
+            if argmax is not None:
+                picked = sample_greedy(argmax, sampled)
+            else:
+                picked = sample(self.model.logits(hidden, plan.kernel), sampled, self.generator)
+            for seq, kept in zip(sampled, picked):
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -33,6 +33,20 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
     return out
 
 
+def only_argmax_needed(seqs: list[ScheduledSeq]) -> bool:
+    """Whether each row's argmax alone decides the step's tokens: all greedy, no logprobs, nothing banned."""
+    return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids for s in seqs)
+
+
+def sample_greedy(argmax: list[int], seqs: list[ScheduledSeq]) -> list[list[SampledToken]]:
+    """sample() for steps where only_argmax_needed, from the rows' argmax."""
+    out, row = [], 0
+    for seq in seqs:
+        out.append([SampledToken(t) for t in _verify_greedy(argmax[row:row + seq.num_logit_rows], seq.drafts)])
+        row += seq.num_logit_rows
+    return out
+
+
 def _verify_greedy(argmax: list[int], drafts: tuple[int, ...]) -> list[int]:
     """Keep drafts while each is the model's own choice; then the model's choice. The output is
     exactly what decoding one token at a time would give."""

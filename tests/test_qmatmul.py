@@ -1,0 +1,161 @@
+"""The native integer matmul: every instruction-set path this CPU runs against a float
+reference of the same quantization, the same bits from every path, a row's bits independent of
+the rows beside it and of the thread count, and the fallbacks."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tollway.model.layers import Linear
+from tollway.model.native import qmatmul
+from tollway.model.native.qmatmul import ISAS, Q8Library, q8_library
+
+pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
+
+# (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial tile.
+SHAPES = [(1, 640, 17), (3, 640, 1024), (17, 2048, 640), (64, 640, 300), (9, 32, 16), (11, 96, 33)]
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Q8Library:
+    lib = q8_library(tmp_path_factory.mktemp("cache"))
+    assert lib is not None
+    return lib
+
+
+def _quantized(t: torch.Tensor, half_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What qmatmul.c makes of t's rows: int values and a scale per block of 32 (fp16 for
+    weights, fp32 for activations)."""
+    blocks = t.view(t.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    if half_scales:
+        scale = (amax / 127).half().float()
+        inv = torch.where(scale > 0, 1 / scale, 0.0)
+    else:
+        scale, inv = amax / 127, torch.where(amax > 0, 127 / amax, 0.0)
+    return torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127), scale
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The quantized product in float64: exact integer block sums, scaled, summed."""
+    qx, sx = _quantized(x, half_scales=False)
+    qw, sw = _quantized(w, half_scales=True)
+    sums = torch.einsum("mbi,nbi->mnb", qx.double(), qw.double())
+    return (sums * sx.double().unsqueeze(1) * sw.double().unsqueeze(0)).sum(-1)
+
+
+def _inputs(m, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    x[0, :32] *= 50  # an outlier block, as in real activations
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[n // 2] = 0.0  # an all-zero row: zero scales
+    return x, w
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_every_path_matches_the_quantized_reference(library, isa, m, k, n):
+    if isa not in library.supported:
+        pytest.skip(f"this CPU does not run {isa}")
+    x, w = _inputs(m, k, n)
+    y = library.pack(w)(x, isa)
+    ref = _reference(x, w)
+    assert y.shape == (m, n)
+    # Only the float sum over K / 32 blocks rounds: float32 accuracy, relative to the row's scale.
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # And the quantization itself stays within about 1% of the float product.
+    exact = x.double() @ w.double().T
+    assert float((y - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_all_paths_give_the_same_bits(library, m, k, n):
+    x, w = _inputs(m, k, n, seed=1)
+    packed = library.pack(w)
+    results = {isa: packed(x, isa) for isa in library.supported}
+    assert len(results) >= 2  # at least portable and the one compiled for this machine's best
+    for isa, y in results.items():
+        assert torch.equal(y, results["portable"]), isa
+
+
+def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(library):
+    x, w = _inputs(64, 640, 1000, seed=2)
+    packed = library.pack(w)
+    batch = packed(x)
+    for i in (0, 5, 63):
+        assert torch.equal(packed(x[i:i + 1]), batch[i:i + 1])
+    assert torch.equal(packed(x[3:20]), batch[3:20])  # odd counts, off the 8-row grid
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(packed(x), batch)
+        torch.set_num_threads(1)
+        assert torch.equal(packed(x), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_are_read_in_place(library):
+    x, w = _inputs(6, 640, 48, seed=3)
+    wide = torch.cat([x, torch.randn(6, 64)], dim=1)[:, :640]  # row stride 704
+    packed = library.pack(w)
+    assert torch.equal(packed(wide), packed(x))
+
+
+def test_a_lower_path_is_forced_by_env_or_argument(library, monkeypatch):
+    x, w = _inputs(4, 64, 32)
+    monkeypatch.setenv("TOLLWAY_ISA", "portable")
+    forced = Q8Library(library._lib)
+    assert forced.isa == "portable" and library.isa == library.supported[-1]
+    assert torch.equal(forced.pack(w)(x), library.pack(w)(x, "portable"))
+    monkeypatch.setenv("TOLLWAY_ISA", "sse9")
+    with pytest.raises(ValueError, match="sse9"):
+        Q8Library(library._lib)
+    with pytest.raises(ValueError, match="sse9"):
+        library.pack(w)(x, "sse9")
+
+
+def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(library, caplog):
+    g = torch.Generator().manual_seed(4)
+    w, bias, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(3, 64, generator=g)
+    native = Linear(w, bias, {"q8"}, torch.device("cpu"), q8=library)
+    assert native.q8 is not None and native.fp32 is None
+    assert torch.equal(native(x, "q8"), library.pack(w)(x) + bias)
+    with caplog.at_level(logging.WARNING):
+        odd = Linear(w[:, :40], None, {"q8"}, torch.device("cpu"), q8=library)
+    assert odd.q8 is None and "not a multiple of 32" in caplog.text
+    assert torch.equal(odd(x[:, :40], "q8"), Linear(w[:, :40], None, {"fp32"}, torch.device("cpu"))(x[:, :40], "fp32"))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        library.pack(w[:, :40])
+
+
+def test_without_a_compiler_q8_runs_on_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    qmatmul.q8_library.cache_clear()
+    try:
+        assert q8_library(tmp_path) is None
+    finally:
+        qmatmul.q8_library.cache_clear()
+    assert "qmatmul.c" in caplog.text and "torch" in caplog.text
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(library, m):
+    x, w = _inputs(m, 640, 5000, seed=5)
+    w[4000] = w[17] = w[4999] = w[3000] * 1.0  # identical rows give tied outputs
+    x[0] = w[3000] * 10  # row 0's largest output is then that four-way tie
+    packed = library.pack(w)
+    expected = packed(x).argmax(dim=1)
+    assert int(expected[0]) == 17
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)  # ties across the threads' column ranges too
+            for isa in library.supported:
+                assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,62 @@
+"""Compiling the native kernels: a C source built with the system compiler at first use and
+cached under the user cache dir, keyed by everything that can change the binary. None, with one
+warning line, when there is no working compiler: callers then run on torch."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_log = logging.getLogger(__name__)
+
+
+def compiled_library(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
+                     fallback: str = "torch") -> Path | None:
+    """`source` (including `headers`) built with `flags` for this machine, reusing a build of
+    the same sources, flags, compiler and CPU; `fallback` says what runs instead in the warning."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    name = source.stem
+    if not cc:
+        _log.warning("no C compiler found for %s: using %s (slower)", source.name, fallback)
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        parts = [p.read_bytes() for p in (source, *headers)]
+        key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(),
+                                         platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
+        lib = folder / f"{name}-{key}.so"
+        if lib.is_file():
+            return lib
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            built = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
+            if built.returncode != 0:
+                _log.warning("compiling %s failed, using %s:\n%s", source.name, fallback, built.stderr.strip())
+                return None
+            os.replace(tmp, lib)  # atomic: a concurrent start sees the old state or a whole library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return lib
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log.warning("could not build %s (%s): using %s", source.name, exc, fallback)
+        return None
+
+
+def _cpu_flags() -> bytes:
+    # -march=native, and the instruction sets a library may pick at run time: a cached build is
+    # only valid on a CPU with the same ones.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()

@@ -1,0 +1,565 @@
+/* Integer matmul y[M,N] = x[M,K] @ W[N,K]^T on weights quantized in blocks of 32 along K.
+
+Weights (packed once at load by q8_pack): int8 plus an fp16 scale per 32 values, stored +128
+as u8, in tiles of 16 output rows. A tile holds, for each K block b, 8 groups of 4 K values,
+each as 16 rows x 4 bytes (64 bytes: one 512-bit load puts one row in each 32-bit lane), then
+the tile's fp16 scales, 16 per block:
+
+    tile t: [nb][8][16][4] u8 weights, then [nb][16] fp16 scales   (nb = K / 32)
+
+so a dot-product instruction multiplies a broadcast 4-byte group of one activation row with 16
+output rows at once, and no horizontal sum is ever needed. Activations are quantized per row
+and block of 32 to int8 with a float scale at each call.
+
+Every output is the same float sum in every path: acc = fma((float)isum_b, wscale_b * xscale_b,
+acc) over blocks b in order, where isum_b is the exact integer dot product of block b. So a row's
+result never depends on the other rows of the call, on the thread count, or on the instruction
+set; each path just gets isum_b its own way. Threads split the output tiles; every row of a call
+passes through each tile while it is in cache, so the weights stream from memory once per call
+(per chunk of rows for very large M).
+*/
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QBLOCK 32
+#define TILE 16                         /* output rows per tile */
+#define GROUPS (QBLOCK / 4)             /* 4-byte groups per block */
+#define BLOCK_BYTES (TILE * QBLOCK)     /* weight bytes of one tile and block */
+#define MAX_ROWS 8                      /* activation rows per kernel pass */
+#define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
+
+enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
+
+static int64_t tile_bytes(int64_t k) { return (k / QBLOCK) * (BLOCK_BYTES + TILE * 2); }
+
+int64_t q8_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * tile_bytes(k); }
+
+/* ---- fp16 <-> fp32 (portable and exact: scales are converted once per tile and block) ---- */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp == 0) {  /* zero or subnormal: man * 2^-24 is exact in float */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_half(float f) {  /* round to nearest even; scales are finite and >= 0 */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* rounds past the largest half */
+    if (a < 0x38800000) {  /* subnormal half: round a * 2^24 to an integer */
+        float v;
+        memcpy(&v, &a, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(v * 16777216.0f));
+    }
+    uint32_t rounded = a + 0xfff + ((a >> 13) & 1);
+    return (uint16_t)(sign | ((rounded - 0x38000000) >> 13));
+}
+
+/* Round half to even for |v| < 2^22 without a libm call, so the loops vectorize. */
+static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
+
+/* ---- packing weights ---- */
+
+static void pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *out) {
+    int64_t nb = k / QBLOCK;
+    uint16_t *scales = (uint16_t *)(out + nb * BLOCK_BYTES);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < TILE; r++) {
+            int64_t row = t * TILE + r;
+            uint8_t q[QBLOCK];
+            uint16_t half = 0;
+            if (row < n) {
+                const float *src = w + row * k + b * QBLOCK;
+                float amax = 0.0f;
+                for (int i = 0; i < QBLOCK; i++) {
+                    float a = fabsf(src[i]);
+                    amax = a > amax ? a : amax;
+                }
+                half = float_to_half(amax / 127.0f);
+                float d = half_to_float(half), inv = d > 0.0f ? 1.0f / d : 0.0f;
+                for (int i = 0; i < QBLOCK; i++) {
+                    float v = round_even(src[i] * inv);
+                    q[i] = (uint8_t)((int)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v) + 128);
+                }
+            } else {
+                memset(q, 128, sizeof q);  /* padding rows: zero weights, zero scale */
+            }
+            scales[b * TILE + r] = half;
+            for (int g = 0; g < GROUPS; g++) memcpy(out + b * BLOCK_BYTES + g * TILE * 4 + r * 4, q + g * 4, 4);
+        }
+    }
+}
+
+/* ---- the thread pool ---- */
+
+typedef void (*task_fn)(void *ctx, int part, int parts);
+
+#define MAX_THREADS 256
+#define SPIN_NS 100000  /* a worker spins this long for the next call, then sleeps */
+
+static struct {
+    pthread_mutex_t call;  /* one caller at a time */
+    pthread_mutex_t lock;  /* guards sleeping workers */
+    pthread_cond_t wake;
+    int threads;           /* including the caller; 0 before the first call */
+    pid_t pid;             /* threads do not survive fork: a child starts its own */
+    pthread_t ids[MAX_THREADS];
+    atomic_uint generation;
+    unsigned started;      /* the generation when the workers were started */
+    atomic_int pending;
+    int quit;
+    task_fn fn;
+    void *ctx;
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    int part = (int)(intptr_t)arg;
+    unsigned seen = pool.started;  /* not the current one: the first call may come before this runs */
+    for (;;) {
+        int64_t deadline = now_ns() + SPIN_NS;
+        unsigned spins = 0;
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen) {
+            cpu_relax();
+            if (++spins % 64 || now_ns() < deadline) continue;
+            pthread_mutex_lock(&pool.lock);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = atomic_load(&pool.generation);
+        if (pool.quit) return NULL;
+        pool.fn(pool.ctx, part, pool.threads);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+}
+
+static void publish(task_fn fn, void *ctx) {
+    pool.fn = fn;
+    pool.ctx = ctx;
+    atomic_store(&pool.pending, pool.threads - 1);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+static void wait_workers(void) {
+    unsigned spins = 0;
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire))
+        if (++spins % 1024) cpu_relax(); else sched_yield();  /* a worker may have lost its core */
+}
+
+static void resize_pool(int threads) {
+    if (pool.threads > 1 && pool.pid == getpid()) {
+        pool.quit = 1;
+        publish(NULL, NULL);
+        for (int i = 1; i < pool.threads; i++) pthread_join(pool.ids[i], NULL);
+        pool.quit = 0;
+    }
+    pool.threads = 1;
+    pool.pid = getpid();
+    pool.started = atomic_load(&pool.generation);
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&pool.ids[i], NULL, worker, (void *)(intptr_t)i)) break;
+        pool.threads = i + 1;
+    }
+}
+
+/* Runs fn(ctx, part, parts) for part = 0..parts-1 on `threads` threads (fewer if the system
+   refused some); returns parts when all are done. */
+static int run_parallel(int threads, task_fn fn, void *ctx) {
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    pthread_mutex_lock(&pool.call);
+    if (pool.threads != threads || pool.pid != getpid()) resize_pool(threads);
+    if (pool.threads == 1) {
+        fn(ctx, 0, 1);
+    } else {
+        publish(fn, ctx);
+        fn(ctx, 0, pool.threads);
+        wait_workers();
+    }
+    int parts = pool.threads;
+    pthread_mutex_unlock(&pool.call);
+    return parts;
+}
+
+/* ---- packing, in parallel over tiles ---- */
+
+typedef struct { const float *w; int64_t n, k; uint8_t *out; } pack_job;
+
+static void pack_part(void *ctx, int part, int parts) {
+    pack_job *j = ctx;
+    int64_t tiles = (j->n + TILE - 1) / TILE;
+    for (int64_t t = tiles * part / parts; t < tiles * (part + 1) / parts; t++)
+        pack_tile(j->w, j->n, j->k, t, j->out + t * tile_bytes(j->k));
+}
+
+/* w: [n, k] float32 rows, k a multiple of 32; out: q8_packed_bytes(n, k) bytes. */
+void q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads) {
+    pack_job j = {w, n, k, out};
+    run_parallel(threads, pack_part, &j);
+}
+
+/* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ---- */
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, int32_t *offset) {
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        const float *src = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            float a = fabsf(src[i]);
+            amax = a > amax ? a : amax;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            float v = round_even(src[i] * inv);
+            int8_t qi = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            q[b * QBLOCK + i] = qi;
+            sum += qi;
+        }
+        scale[b] = amax / 127.0f;
+        offset[b] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
+    }
+}
+
+/* ---- the kernels: `rows` activation rows through one tile, 16 float outputs per row ----
+   Arguments: the tile, nb, the rows' int8 values (row stride k), scales and offsets (row
+   stride nb), the row count (1..MAX_ROWS), and out[rows][16]. */
+
+typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
+                            const int32_t *xo, int rows, float *out);
+
+static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
+                          const int32_t *xo, int rows, float *out) {
+    const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
+    (void)xo;
+    for (int r = 0; r < rows; r++) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = tile + b * BLOCK_BYTES;
+            const int8_t *x = xq + r * k + b * QBLOCK;
+            for (int lane = 0; lane < TILE; lane++) {
+                int32_t isum = 0;
+                for (int i = 0; i < QBLOCK; i++) isum += ((int32_t)w[(i / 4) * TILE * 4 + lane * 4 + i % 4] - 128) * x[i];
+                float s = half_to_float(scales[b * TILE + lane]) * xs[r * nb + b];
+                acc[lane] = fmaf((float)isum, s, acc[lane]);
+            }
+        }
+        memcpy(out + r * TILE, acc, sizeof acc);
+    }
+}
+
+#if defined(__x86_64__)
+
+static inline int32_t group_of(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* AVX2: vpmaddubsw multiplies u8 by s8 into saturating int16 pairs, so it gets |w| and x with
+   w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. */
+__attribute__((target("avx2,fma,f16c")))
+static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
+                      const int32_t *xo, int rows, float *out) {
+    const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    (void)xo;
+    for (int half = 0; half < 2; half++) {
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            int n = rows - r0 < 4 ? rows - r0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
+                __m256i isum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                   _mm256_setzero_si256()};
+                for (int g = 0; g < GROUPS; g++) {
+                    __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + g * 64)), flip);
+                    __m256i wabs = _mm256_abs_epi8(ws);
+                    for (int r = 0; r < n; r++) {
+                        __m256i x = _mm256_set1_epi32(group_of(xq + (r0 + r) * k + b * QBLOCK + g * 4));
+                        __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, ws));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+                __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
+                for (int r = 0; r < n; r++) {
+                    __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[(r0 + r) * nb + b]));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
+                }
+            }
+            for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
+        }
+    }
+}
+
+/* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
+#define TILE_VNNI256 tile_avxvnni
+#define VNNI256_TARGET "avx2,fma,f16c,avxvnni"
+#define DPBUSD256 _mm256_dpbusd_avx_epi32
+#include "qmatmul_vnni256.h"
+#undef TILE_VNNI256
+#undef VNNI256_TARGET
+#undef DPBUSD256
+#define TILE_VNNI256 tile_vnni256_evex
+#define VNNI256_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define DPBUSD256 _mm256_dpbusd_epi32
+#include "qmatmul_vnni256.h"
+
+/* AVX512-VNNI: vpdpbusd multiplies u8 weights by s8 activations, 16 output rows per register. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
+                                                                int64_t k, const float *xs, const int32_t *xo,
+                                                                const int rows, float *out) {
+    const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * BLOCK_BYTES;
+        __m512i isum[MAX_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[r * nb + b]);
+        for (int g = 0; g < GROUPS; g++) {
+            __m512i wg = _mm512_loadu_si512(w + g * 64);
+            for (int r = 0; r < rows; r++)
+                isum[r] = _mm512_dpbusd_epi32(isum[r], wg, _mm512_set1_epi32(group_of(xq + r * k + b * QBLOCK + g * 4)));
+        }
+        __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * TILE)));
+        for (int r = 0; r < rows; r++) {
+            __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
+                            const int32_t *xo, int rows, float *out) {
+    switch (rows) {  /* a body per row count, so the accumulators stay in registers */
+#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, k, xs, xo, R, out); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+    }
+}
+
+#endif
+
+/* ---- instruction sets ---- */
+
+int q8_isa_supported(int isa) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int vnni512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    switch (isa) {
+        case ISA_PORTABLE: return 1;
+        case ISA_AVX2: return avx2;
+        case ISA_AVXVNNI: return (avx2 && __builtin_cpu_supports("avxvnni")) || vnni512;
+        case ISA_AVX512VNNI: return vnni512;
+    }
+    return 0;
+#else
+    return isa == ISA_PORTABLE;
+#endif
+}
+
+static tile_kernel kernel_for(int isa) {
+#if defined(__x86_64__)
+    switch (isa) {
+        case ISA_AVX2: return tile_avx2;
+        case ISA_AVXVNNI: return __builtin_cpu_supports("avxvnni") ? tile_avxvnni : tile_vnni256_evex;
+        case ISA_AVX512VNNI: return tile_avx512vnni;
+    }
+#endif
+    return tile_portable;
+}
+
+/* ---- the matmul ---- */
+
+typedef struct {
+    tile_kernel kernel;
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *xo;
+    int64_t m, k, n, nb, chunk;
+    const uint8_t *packed;
+    float *y;               /* the outputs, row stride ldy; or NULL to keep only each row's largest: */
+    int64_t ldy;
+    float *best;            /* [parts][m] the largest output of each part's columns */
+    int64_t *best_index;    /* [parts][m] its column, the first one on ties */
+} matmul_job;
+
+static void matmul_part(void *ctx, int part, int parts) {
+    matmul_job *j = ctx;
+    int64_t tiles = (j->n + TILE - 1) / TILE, tb = tile_bytes(j->k);
+    int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
+    float out[MAX_ROWS * TILE];
+    float *best = j->best + part * j->m;
+    int64_t *best_index = j->best_index + part * j->m;
+    if (!j->y)
+        for (int64_t r = 0; r < j->m; r++) best[r] = -INFINITY, best_index[r] = first * TILE;
+    for (int64_t m0 = 0; m0 < j->m; m0 += j->chunk) {
+        int64_t m1 = m0 + j->chunk < j->m ? m0 + j->chunk : j->m;
+        for (int64_t t = first; t < last; t++) {
+            int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
+            for (int64_t r0 = m0; r0 < m1; r0 += MAX_ROWS) {
+                int rows = (int)(m1 - r0 < MAX_ROWS ? m1 - r0 : MAX_ROWS);
+                j->kernel(j->packed + t * tb, j->nb, j->xq + r0 * j->k, j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb,
+                          rows, out);
+                for (int r = 0; r < rows; r++) {
+                    if (j->y) {
+                        memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, (size_t)cols * sizeof(float));
+                        continue;
+                    }
+                    for (int c = 0; c < cols; c++)
+                        if (out[r * TILE + c] > best[r0 + r]) best[r0 + r] = out[r * TILE + c], best_index[r0 + r] = t * TILE + c;
+                }
+            }
+        }
+    }
+}
+
+/* The quantized activations and per-part maxima, a buffer kept between calls: one caller at a time. */
+static struct { void *data; size_t size; } scratch;
+static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+                      int64_t ldy, int64_t *argmax, int isa, int threads) {
+    if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    int64_t nb = k / QBLOCK;
+    size_t maxima = y ? 0 : (size_t)(threads * m * 12);
+    size_t need = (size_t)(m * nb * 8) + maxima + (size_t)(m * k);
+    pthread_mutex_lock(&scratch_lock);
+    if (scratch.size < need) {
+        void *grown = realloc(scratch.data, need);
+        if (!grown) {
+            pthread_mutex_unlock(&scratch_lock);
+            return -1;
+        }
+        scratch.data = grown;
+        scratch.size = need;
+    }
+    int64_t *best_index = scratch.data;  /* 8-byte items first, then the 4-byte ones, then bytes */
+    float *best = (float *)(best_index + (y ? 0 : threads * m));
+    float *xs = best + (y ? 0 : threads * m);
+    int32_t *xo = (int32_t *)(xs + m * nb);
+    int8_t *xq = (int8_t *)(xo + m * nb);
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, xq + r * k, xs + r * nb, xo + r * nb);
+    int64_t chunk = ROW_CHUNK_BYTES / k;
+    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk / MAX_ROWS * MAX_ROWS;
+    matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, chunk, packed, y, ldy, best, best_index};
+    int parts = run_parallel(threads, matmul_part, &j);
+    for (int64_t r = 0; r < m && !y; r++) {  /* parts in column order: a tie keeps the first column */
+        int64_t p_best = 0;
+        for (int64_t p = 1; p < parts; p++)
+            if (best[p * m + r] > best[p_best * m + r]) p_best = p;
+        argmax[r] = best_index[p_best * m + r];
+    }
+    pthread_mutex_unlock(&scratch_lock);
+    return 0;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W packed by q8_pack.
+   Returns 0, or -1 when the instruction set is not supported here or memory ran out. */
+int q8_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+              int64_t ldy, int isa, int threads) {
+    return run_matmul(x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
+}
+
+/* argmax[r] = the column of row r's largest output of the same product (the first on ties),
+   without writing the outputs: the greedy token of an LM head. */
+int q8_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                     int64_t *argmax, int isa, int threads) {
+    return run_matmul(x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+}
+
+/* ---- the dot-product peak: registers only, for benchmarks to measure against ---- */
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512vnni")))
+static int64_t peak_avx512vnni(int64_t iters) {
+    __m512i acc[12], a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t n = 0; n < iters; n++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+        __asm__ volatile("" : "+v"(a));  /* keeps the loop from being folded away */
+    }
+    int64_t sum = 0;
+    for (int i = 0; i < 12; i++) sum += _mm512_reduce_add_epi32(acc[i]);
+    return sum;
+}
+
+__attribute__((target("avx2")))
+static int64_t peak_avx2(int64_t iters) {
+    __m256i acc[6], a[6], b = _mm256_set1_epi8(2), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 6; i++) acc[i] = _mm256_setzero_si256(), a[i] = _mm256_set1_epi8((char)(i + 1));
+    for (int64_t n = 0; n < iters; n++) {
+        for (int i = 0; i < 6; i++) {
+            __asm__ volatile("" : "+x"(a[i]));  /* distinct, opaque inputs: nothing is hoisted or merged */
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], b), ones));
+        }
+    }
+    int64_t sum = 0;
+    int32_t lanes[8];
+    for (int i = 0; i < 6; i++) {
+        _mm256_storeu_si256((__m256i *)lanes, acc[i]);
+        for (int j = 0; j < 8; j++) sum += lanes[j];
+    }
+    return sum;
+}
+#endif
+
+typedef struct { int isa; int64_t iters; atomic_llong sink; } peak_job;
+
+static void peak_part(void *ctx, int part, int parts) {
+    peak_job *j = ctx;
+    (void)part, (void)parts;
+#if defined(__x86_64__)
+    atomic_fetch_add(&j->sink, j->isa == ISA_AVX512VNNI ? peak_avx512vnni(j->iters) : peak_avx2(j->iters));
+#endif
+}
+
+/* u8 x s8 multiply-adds done per thread by q8_peak: iters x 12 x 64 (AVX512-VNNI) or iters x 6 x 32 (AVX2).
+   Runs on every thread of the pool; -1 for an instruction set it has no loop for. */
+int64_t q8_peak(int isa, int64_t iters, int threads) {
+    if ((isa != ISA_AVX512VNNI && isa != ISA_AVX2) || !q8_isa_supported(isa)) return -1;
+    peak_job j = {isa, iters, 0};
+    run_parallel(threads, peak_part, &j);
+    return isa == ISA_AVX512VNNI ? iters * 12 * 64 : iters * 6 * 32;
+}

@@ -1,0 +1,132 @@
+"""The CPU's integer matmul (qmatmul.c): y = x @ W.T with W packed once into int8 blocks of 32
+along K with fp16 scales, and x quantized the same way at every call.
+
+The instruction set is picked at run time from the CPU's flags: AVX512-VNNI, then 256-bit VNNI
+(AVX-VNNI), then AVX2, then portable C. TOLLWAY_ISA, or the `isa` argument, forces a lower one,
+so a machine with the highest can test them all; every path gives the same bits.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tollway.model.native.build import compiled_library
+from tollway.model.weights import cache_root
+
+_log = logging.getLogger(__name__)
+_HERE = Path(__file__).parent
+_SOURCE = _HERE / "qmatmul.c"
+_HEADERS = (_HERE / "qmatmul_vnni256.h",)
+# No -march=native: each kernel carries its own target attribute, so the lower paths stay what
+# they claim to be. No FMA contraction: the float sums are written out, the same in every path.
+_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
+          "-ffp-contract=off"]
+ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
+BLOCK = 32  # K values per scale
+
+
+class Q8Library:
+    """The compiled qmatmul.c: packs weights, and runs them on the chosen instruction set."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
+        self._pack = _bind(lib.q8_pack, None, p, i64, i64, p, i32)
+        self._matmul = _bind(lib.q8_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
+        self._argmax = _bind(lib.q8_matmul_argmax, i32, p, i64, i64, i64, p, i64, p, i32, i32)
+        self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
+        self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
+        self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
+
+    def resolve(self, isa: str | None) -> str:
+        """`isa` when this CPU runs it, the best it runs when None."""
+        if isa is None:
+            return self.supported[-1]
+        if isa not in self.supported:
+            raise ValueError(f"instruction set {isa!r} is not available here (this CPU runs: {', '.join(self.supported)})")
+        return isa
+
+    def pack(self, weight: torch.Tensor) -> Q8Weight:
+        """weight: [N, K] on the CPU, K a multiple of 32."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+        w = weight.float().contiguous()
+        data = torch.empty(self._packed_bytes(n, k), dtype=torch.uint8)
+        self._pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
+        return Q8Weight(self, data, n, k)
+
+    def matmul(self, x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+        """x: [M, K] float32 (rows may be strided) -> [M, N] float32."""
+        x = _rows(x)
+        y = torch.empty(x.shape[0], weight.out_features)
+        self._check(self._matmul(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                                 weight.out_features, y.data_ptr(), y.stride(0), self._isa_index(isa),
+                                 torch.get_num_threads()))
+        return y
+
+    def argmax(self, x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+        """The column of each row's largest output of matmul(x, weight), the first on ties, without
+        writing the outputs: [M] int64."""
+        x = _rows(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._check(self._argmax(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                                 weight.out_features, out.data_ptr(), self._isa_index(isa), torch.get_num_threads()))
+        return out
+
+    def _isa_index(self, isa: str | None) -> int:
+        return ISAS.index(self.isa if isa is None else self.resolve(isa))
+
+    @staticmethod
+    def _check(failed: int) -> None:
+        if failed:
+            raise MemoryError("qmatmul.c could not allocate its activation buffer")
+
+    def dot_peak(self, iters: int = 1_000_000) -> float:
+        """u8 x s8 multiply-adds per second of a register-only loop on every thread: the integer
+        peak that benchmarks measure the kernels against."""
+        isa, threads = ("avx512vnni" if "avx512vnni" in self.supported else "avx2"), torch.get_num_threads()
+        start = time.perf_counter()
+        per_thread = self._peak(ISAS.index(isa), iters, threads)
+        return per_thread * threads / (time.perf_counter() - start)
+
+
+class Q8Weight:
+    """One packed weight matrix (see qmatmul.c for the layout)."""
+
+    def __init__(self, library: Q8Library, data: torch.Tensor, out_features: int, in_features: int):
+        self.library, self.data = library, data
+        self.out_features, self.in_features = out_features, in_features
+
+    def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+        return self.library.matmul(x, self, isa)
+
+    def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+        return self.library.argmax(x, self, isa)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+
+
+def _bind(fn, restype, *argtypes):
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
+    """The integer matmul built for this machine, once per process; None without a working C
+    compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 kernel then runs on torch."""
+    if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+        return None
+    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS,
+                           fallback="torch fp32 for the q8 kernel")
+    return Q8Library(ctypes.CDLL(str(lib))) if lib else None
