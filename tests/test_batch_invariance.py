@@ -18,7 +18,8 @@ PROMPTS = [_TEXTS[i % len(_TEXTS)] + (" and then" * (i // 3)) for i in range(32)
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["int8", "fp32"])
+# "auto" is the default: q8 on a CPU where the native matmul compiles.
+@pytest.fixture(scope="module", params=["auto", "int8", "fp32"])
 def kernel(request):
     return request.param
 
