@@ -16,7 +16,10 @@ import pytest
 from tollway.request import SamplingParams
 from tollway.server.metrics import Metrics
 
-from live_server import MODEL, make_meter, running_server
+from tollway.fleet.ingress import create_ingress
+
+from live_server import MODEL, make_meter, running_server, serving
+from test_fleet import Rayless
 
 STORM = 48
 MAX_TOKENS = 48
@@ -68,11 +71,13 @@ def rows_by_tag(ledger, prefix: str) -> dict[str, list[sqlite3.Row]]:
     return out
 
 
-async def one_call(client: httpx.AsyncClient, url: str, i: int, mode: str, rng: random.Random) -> dict:
-    """One client of the storm; returns what it saw: whether the response started, chunks read."""
-    seen = {"mode": mode, "started": False, "chunks": 0, "id": None}
+async def one_call(client: httpx.AsyncClient, url: str, i: int, mode: str, rng: random.Random,
+                   tag: str = "storm") -> dict:
+    """One client of the storm, tagged `tag`=i; returns what it saw: whether the response
+    started, and the chunks it read."""
+    seen = {"mode": mode, "started": False, "chunks": 0}
     body = {"model": MODEL, "prompt": [rng.randrange(1000, 30000) for _ in range(50)], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": mode != "plain", "metadata": {"storm": str(i)}}
+            "temperature": 0, "ignore_eos": True, "stream": mode != "plain", "metadata": {tag: str(i)}}
 
     async def stream(stop_after: int | None) -> None:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -115,24 +120,32 @@ async def storm(url: str, seed: int) -> list[dict]:
 
 
 def test_a_storm_of_hang_ups_leaves_nothing_running_and_bills_each_call_once(server):
-    url, meter = server["url"], server["meter"]
+    url = server["url"]
     before = wait_idle(url)
-    attributed_before = meter.attributed_seconds
+    attributed_before = server["meter"].attributed_seconds
     seen = asyncio.run(storm(url, seed=19))
+    assert_all_withdrawn_and_billed(server, before, attributed_before, seen, "storm")
+    assert sum(s["started"] for s in seen) >= (STORM + LAST_WAVE) // 2
+    assert httpx.get(url + "/health").status_code == 200  # and the watchdog saw nothing stuck
 
+
+def assert_all_withdrawn_and_billed(server, before: dict, attributed_before: float, seen: list[dict], tag: str):
+    """Idle, KV as `before`, and one ledger row per call that reached the engine, billed for
+    every step it was in (the meter's attributed seconds since `attributed_before`, all of it)."""
+    url, meter = server["url"], server["meter"]
     after = wait_idle(url)
     assert (after["running"], after["waiting"]) == (0, 0), f"still held after the storm: {after}"
     assert after["kv"] == before["kv"], f"KV use {after['kv']} after the storm, {before['kv']} before"
 
     deadline = time.monotonic() + 10  # withdrawn calls' rows are written as the engine confirms each abort
     while time.monotonic() < deadline:
-        rows = rows_by_tag(server["ledger"], "storm=")
+        rows = rows_by_tag(server["ledger"], tag + "=")
         billed = sum(r["engine_seconds"] for found in rows.values() for r in found)
         if billed >= meter.attributed_seconds - attributed_before - 1e-9:
             break
         time.sleep(0.2)
     for i, s in enumerate(seen):
-        found = rows.get(f"storm={i}", [])
+        found = rows.get(f"{tag}={i}", [])
         assert len(found) <= 1, f"call {i} ({s['mode']}) has {len(found)} ledger rows"
         if s["started"]:
             assert len(found) == 1, f"call {i} ({s['mode']}) started its response but has no ledger row"
@@ -147,7 +160,32 @@ def test_a_storm_of_hang_ups_leaves_nothing_running_and_bills_each_call_once(ser
     # Every step's engine time went to a call's row: none is lost to a row written before the
     # abort's last step, none to a call nobody settled.
     assert billed == pytest.approx(meter.attributed_seconds - attributed_before, rel=1e-6, abs=1e-9)
-    assert sum(s["started"] for s in seen) >= (STORM + LAST_WAVE) // 2
+
+
+class OneReplica(Rayless):
+    """A fleet's ingress in front of one plain server, on which it places every call."""
+
+    async def route(self, hint):
+        return self.router.replicas[0]
+
+
+def test_hang_ups_behind_the_fleet_ingress_reach_the_replica(server):
+    """The ingress lets go of the replica's connection when its client goes, before or after
+    the response began, so the replica withdraws the call and bills it."""
+    before = wait_idle(server["url"])
+    attributed_before = server["meter"].attributed_seconds
+    modes = ("before", "headers", "one", "some", "plain", "whole") * 3
+
+    async def calls(url: str) -> list[dict]:
+        rng = random.Random(7)
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as client:
+            return await asyncio.gather(*(one_call(client, url, i, mode, random.Random(rng.random()), "fleet")
+                                          for i, mode in enumerate(modes)))
+
+    for ingress in serving(create_ingress(OneReplica([server["url"]]))):
+        seen = asyncio.run(calls(ingress))
+    assert_all_withdrawn_and_billed(server, before, attributed_before, seen, "fleet")
+    assert sum(s["started"] for s in seen) >= len(modes) // 2
 
 
 def test_an_add_cancelled_while_queued_or_landing_leaves_nothing_behind(server):

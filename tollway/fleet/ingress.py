@@ -24,14 +24,14 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
 
 from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
 from tollway.server import errors
 from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
+from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
 from tollway.server.errors import APIError
 from tollway.server.service_tier import tier_for
 
@@ -92,7 +92,15 @@ def create_ingress(fleet) -> FastAPI:
         return await _route(request, "/v1/chat/completions")
 
     async def _route(request: Request, path: str) -> Response:
+        """A client that hangs up before its response begins has it withdrawn: the replica's
+        connection is closed, so the replica aborts it too (and bills what ran)."""
         body = await request.body()
+        try:
+            return await unless_disconnected(request, _place(request, body, path))
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def _place(request: Request, body: bytes, path: str) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
         # One id for the call on every replica tried: a retry of a call already billed is not billed again.
         headers |= {CALL_ID: new_call_id(), FLEET_SECRET: fleet.secret}
@@ -120,8 +128,6 @@ def create_ingress(fleet) -> FastAPI:
                     await router.wait_for_capacity(1.0)
                 finally:
                     metrics.waiting[tier] -= 1
-                if await request.is_disconnected():
-                    return Response(status_code=499)
                 continue
             try:  # the router places it (and counts it there), as the policy says
                 replica = await fleet.route(RoutingHint(tier, text, tokens, frozenset(tried)))
@@ -164,11 +170,12 @@ def create_ingress(fleet) -> FastAPI:
             await resp.aclose()
             await fleet.check(replica, client)
             raise _NotServed("replica_lost") from None
-        except _NotServed:
+        except BaseException:  # _NotServed, or the client left: let the replica's connection go
             await resp.aclose()
             raise
-        return StreamingResponse(_relay(replica, resp, first, chunks), headers=out_headers,
-                                 media_type="text/event-stream")
+        # Closed however the relay ends: a client gone before its first byte never starts it.
+        return ClosingStreamingResponse(_relay(replica, resp, first, chunks), resp.aclose, headers=out_headers,
+                                        media_type="text/event-stream")
 
     async def _relay(replica: ReplicaState, resp: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -206,7 +213,7 @@ def create_ingress(fleet) -> FastAPI:
             await fleet.check(home, client)
             return JSONResponse(errors.error_body(503, "the replica did not answer"), status_code=503)
         kept = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
-        return StreamingResponse(resp.aiter_raw(), resp.status_code, kept, background=BackgroundTask(resp.aclose))
+        return ClosingStreamingResponse(resp.aiter_raw(), resp.aclose, status_code=resp.status_code, headers=kept)
 
     return app
 

@@ -4,6 +4,7 @@ the first byte, and it does not notice at all while a plain response is being wo
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -19,10 +20,10 @@ class ClientGone(Exception):
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that calls `on_close` however it ends: finished, failed, or cut off
-    by the client, before or after its first byte."""
+    """A StreamingResponse that calls `on_close` (awaited if it returns an awaitable) however
+    it ends: finished, failed, or cut off by the client, before or after its first byte."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+    def __init__(self, content, on_close: Callable[[], Awaitable[None] | None], **kwargs):
         super().__init__(content, **kwargs)
         self.on_close = on_close
 
@@ -30,7 +31,9 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.on_close()
+            closing = self.on_close()
+            if inspect.isawaitable(closing):
+                await closing
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
