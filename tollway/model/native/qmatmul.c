@@ -233,10 +233,15 @@ void q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads) {
     run_parallel(threads, pack_part, &j);
 }
 
-/* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ---- */
+/* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----
+   Stored in groups of MAX_ROWS rows, block-major within a group, so a kernel finds block b of
+   row r at a fixed offset from the group: values at XQ(b, r), scale and offset at XS(b, r). */
 
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, int32_t *offset) {
-    for (int64_t b = 0; b < k / QBLOCK; b++) {
+#define XQ(b, r) (((b) * MAX_ROWS + (r)) * QBLOCK)
+#define XS(b, r) ((b) * MAX_ROWS + (r))
+
+static void quantize_row(const float *x, int64_t nb, int8_t *q, float *scale, int32_t *offset) {
+    for (int64_t b = 0; b < nb; b++) {
         const float *src = x + b * QBLOCK;
         float amax = 0.0f;
         for (int i = 0; i < QBLOCK; i++) {
@@ -248,34 +253,34 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, int
         for (int i = 0; i < QBLOCK; i++) {
             float v = round_even(src[i] * inv);
             int8_t qi = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
-            q[b * QBLOCK + i] = qi;
+            q[XQ(b, 0) + i] = qi;
             sum += qi;
         }
-        scale[b] = amax / 127.0f;
-        offset[b] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
+        scale[XS(b, 0)] = amax / 127.0f;
+        offset[XS(b, 0)] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
     }
 }
 
 /* ---- the kernels: `rows` activation rows through one tile, 16 float outputs per row ----
-   Arguments: the tile, nb, the rows' int8 values (row stride k), scales and offsets (row
-   stride nb), the row count (1..MAX_ROWS), and out[rows][16]. */
+   Arguments: the tile, nb, a group of quantized rows (values, scales, offsets), the row count
+   (1..MAX_ROWS), and out[rows][16]. */
 
-typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
-                            const int32_t *xo, int rows, float *out);
+typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                            int rows, float *out);
 
-static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
-                          const int32_t *xo, int rows, float *out) {
+static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                          int rows, float *out) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     (void)xo;
     for (int r = 0; r < rows; r++) {
         float acc[TILE] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *w = tile + b * BLOCK_BYTES;
-            const int8_t *x = xq + r * k + b * QBLOCK;
+            const int8_t *x = xq + XQ(b, r);
             for (int lane = 0; lane < TILE; lane++) {
                 int32_t isum = 0;
                 for (int i = 0; i < QBLOCK; i++) isum += ((int32_t)w[(i / 4) * TILE * 4 + lane * 4 + i % 4] - 128) * x[i];
-                float s = half_to_float(scales[b * TILE + lane]) * xs[r * nb + b];
+                float s = half_to_float(scales[b * TILE + lane]) * xs[XS(b, r)];
                 acc[lane] = fmaf((float)isum, s, acc[lane]);
             }
         }
@@ -294,8 +299,8 @@ static inline int32_t group_of(const int8_t *p) {
 /* AVX2: vpmaddubsw multiplies u8 by s8 into saturating int16 pairs, so it gets |w| and x with
    w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. */
 __attribute__((target("avx2,fma,f16c")))
-static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
-                      const int32_t *xo, int rows, float *out) {
+static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                      int rows, float *out) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     (void)xo;
@@ -311,14 +316,14 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t
                     __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + g * 64)), flip);
                     __m256i wabs = _mm256_abs_epi8(ws);
                     for (int r = 0; r < n; r++) {
-                        __m256i x = _mm256_set1_epi32(group_of(xq + (r0 + r) * k + b * QBLOCK + g * 4));
+                        __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
                         __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, ws));
                         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
                     }
                 }
                 __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
                 for (int r = 0; r < n; r++) {
-                    __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[(r0 + r) * nb + b]));
+                    __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
                 }
             }
@@ -340,26 +345,34 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t
 #define DPBUSD256 _mm256_dpbusd_epi32
 #include "qmatmul_vnni256.h"
 
-/* AVX512-VNNI: vpdpbusd multiplies u8 weights by s8 activations, 16 output rows per register. */
+/* AVX512-VNNI: vpdpbusd multiplies u8 weights by s8 activations, 16 output rows per register.
+   The activations' 4-byte group is broadcast by the instruction's own memory operand (gcc's
+   intrinsic does it in a separate instruction, which competes with vpdpbusd for its ports). */
+__attribute__((target("avx512f,avx512vnni")))
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                                int64_t k, const float *xs, const int32_t *xo,
-                                                                const int rows, float *out) {
+                                                                const float *xs, const int32_t *xo, const int rows,
+                                                                float *out) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * BLOCK_BYTES;
+        const int8_t *x = xq + XQ(b, 0);
         __m512i isum[MAX_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[r * nb + b]);
+        for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)]);
         for (int g = 0; g < GROUPS; g++) {
             __m512i wg = _mm512_loadu_si512(w + g * 64);
-            for (int r = 0; r < rows; r++)
-                isum[r] = _mm512_dpbusd_epi32(isum[r], wg, _mm512_set1_epi32(group_of(xq + r * k + b * QBLOCK + g * 4)));
+            for (int r = 0; r < rows; r++) isum[r] = dpbusd_broadcast(isum[r], wg, x + r * QBLOCK + g * 4);
         }
         __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * TILE)));
         for (int r = 0; r < rows; r++) {
-            __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * nb + b]));
+            __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[XS(b, r)]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
         }
     }
@@ -367,10 +380,10 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
-                            const int32_t *xo, int rows, float *out) {
+static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                            int rows, float *out) {
     switch (rows) {  /* a body per row count, so the accumulators stay in registers */
-#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, k, xs, xo, R, out); break;
+#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, xs, xo, R, out); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
     }
@@ -439,8 +452,8 @@ static void matmul_part(void *ctx, int part, int parts) {
             int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
             for (int64_t r0 = m0; r0 < m1; r0 += MAX_ROWS) {
                 int rows = (int)(m1 - r0 < MAX_ROWS ? m1 - r0 : MAX_ROWS);
-                j->kernel(j->packed + t * tb, j->nb, j->xq + r0 * j->k, j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb,
-                          rows, out);
+                j->kernel(j->packed + t * tb, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows,
+                          out);
                 for (int r = 0; r < rows; r++) {
                     if (j->y) {
                         memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, (size_t)cols * sizeof(float));
@@ -464,7 +477,8 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     int64_t nb = k / QBLOCK;
     size_t maxima = y ? 0 : (size_t)(threads * m * 12);
-    size_t need = (size_t)(m * nb * 8) + maxima + (size_t)(m * k);
+    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;  /* whole groups */
+    size_t need = (size_t)(padded * nb * 8) + maxima + (size_t)(padded * k);
     pthread_mutex_lock(&scratch_lock);
     if (scratch.size < need) {
         void *grown = realloc(scratch.data, need);
@@ -478,9 +492,12 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
     int64_t *best_index = scratch.data;  /* 8-byte items first, then the 4-byte ones, then bytes */
     float *best = (float *)(best_index + (y ? 0 : threads * m));
     float *xs = best + (y ? 0 : threads * m);
-    int32_t *xo = (int32_t *)(xs + m * nb);
-    int8_t *xq = (int8_t *)(xo + m * nb);
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, xq + r * k, xs + r * nb, xo + r * nb);
+    int32_t *xo = (int32_t *)(xs + padded * nb);
+    int8_t *xq = (int8_t *)(xo + padded * nb);
+    for (int64_t r = 0; r < m; r++) {  /* row r is row r % MAX_ROWS of its group */
+        int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
+        quantize_row(x + r * ldx, nb, xq + group * k + i * QBLOCK, xs + group * nb + i, xo + group * nb + i);
+    }
     int64_t chunk = ROW_CHUNK_BYTES / k;
     chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk / MAX_ROWS * MAX_ROWS;
     matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, chunk, packed, y, ldy, best, best_index};

@@ -2,8 +2,8 @@
    it, VNNI256_TARGET gives its instruction sets and DPBUSD256 its u8 x s8 dot-product intrinsic.
    A tile's 16 output rows are two halves of 8 lanes. */
 __attribute__((target(VNNI256_TARGET)))
-static void TILE_VNNI256(const uint8_t *tile, int64_t nb, const int8_t *xq, int64_t k, const float *xs,
-                         const int32_t *xo, int rows, float *out) {
+static void TILE_VNNI256(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                         int rows, float *out) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     for (int half = 0; half < 2; half++) {
         for (int r0 = 0; r0 < rows; r0 += 4) {
@@ -12,15 +12,15 @@ static void TILE_VNNI256(const uint8_t *tile, int64_t nb, const int8_t *xq, int6
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
                 __m256i isum[4];
-                for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[(r0 + r) * nb + b]);
+                for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)]);
                 for (int g = 0; g < GROUPS; g++) {
                     __m256i wg = _mm256_loadu_si256((const __m256i *)(w + g * 64));
                     for (int r = 0; r < n; r++)
-                        isum[r] = DPBUSD256(isum[r], wg, _mm256_set1_epi32(group_of(xq + (r0 + r) * k + b * QBLOCK + g * 4)));
+                        isum[r] = DPBUSD256(isum[r], wg, _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4)));
                 }
                 __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
                 for (int r = 0; r < n; r++) {
-                    __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[(r0 + r) * nb + b]));
+                    __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
                 }
             }
