@@ -86,3 +86,21 @@ def test_prompt_longer_than_context_is_refused(make_engine):
 def test_bad_token_ids_are_refused(engine):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, 2, 10**9], SamplingParams())
+
+
+def test_the_default_cpu_kernel_is_q8_and_its_fused_greedy_head_picks_the_logits_argmax(make_engine,
+                                                                                        run_to_completion):
+    """On a CPU where the native matmul compiles, kernel "auto" runs q8 at every step size, and a
+    greedy step's argmax from the LM head's epilogue is the argmax of the logits it skips (asking
+    for logprobs makes the runner write them)."""
+    from tollway.model.native.qmatmul import q8_library
+
+    if q8_library() is None:
+        pytest.skip("the native matmul does not compile here")
+    engine = make_engine()
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    fused, plans = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert {p.kernel for p in plans} == {"q8"} and engine.runner.model.lm_head.q8 is not None
+    logits, _ = run_to_completion(engine, prompts,
+                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert [o.token_ids for o in fused] == [o.token_ids for o in logits]
