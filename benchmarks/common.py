@@ -67,15 +67,21 @@ def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
     return out
 
 
-def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None) -> None:
+def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None,
+                  options: dict[str, dict] | None = None) -> None:
     """The command line every benchmark shares. run(settings, quick) -> result; then the JSON,
     figures(result, quick) -> [paths relative to benchmarks/] if any, and markdown(result,
-    json path, *figure paths) -> the README section (written only for a full run)."""
+    json path, *figure paths) -> the README section (written only for a full run).
+    options: {name: argparse keywords} for a benchmark's own flags (--name); each value joins
+    the settings under its name."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
+    for option, keywords in (options or {}).items():
+        parser.add_argument(f"--{option}", dest=option, **keywords)
     args = parser.parse_args()
     benchmarks = Path(__file__).resolve().parent
-    result = run(quick if args.quick else full, args.quick)
+    settings = {**(quick if args.quick else full), **{option: getattr(args, option) for option in options or {}}}
+    result = run(settings, args.quick)
     written = [str(save_json(benchmarks, name, result, args.quick))]
     written += figures(result, args.quick) if figures else []
     section = markdown(result, *written)
