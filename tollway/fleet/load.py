@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tollway.config import TIERS
+from tollway.scheduler.occupancy import Occupancy
 
 
 @dataclass
@@ -28,8 +28,8 @@ class ReplicaLoad:
             r = sched.get(rid)
             outstanding += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
             outstanding += max(0, r.params.max_tokens - len(r.output_token_ids))
-        return cls({t: sched.running_in(t) for t in TIERS}, {t: len(sched.waiting[t]) for t in TIERS},
-                   sched.pool.num_free, sched.pool.num_blocks, outstanding,
+        held = Occupancy.of(sched)
+        return cls(held.running, held.waiting, held.num_blocks - held.kv_blocks_used, held.num_blocks, outstanding,
                    sched.config.reserved("seq", "fast"), sched.config.max_num_seqs)
 
     @property
