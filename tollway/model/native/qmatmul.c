@@ -38,6 +38,7 @@ passes through each tile while it is in cache, so the weights stream from memory
 #define BLOCK_BYTES (TILE * QBLOCK)     /* weight bytes of one tile and block */
 #define MAX_ROWS 8                      /* activation rows per kernel pass */
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
+#define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
 
@@ -199,8 +200,8 @@ static void resize_pool(int threads) {
 }
 
 /* Runs fn(ctx, part, parts) for part = 0..parts-1 on `threads` threads (fewer if the system
-   refused some); returns parts when all are done. */
-static int run_parallel(int threads, task_fn fn, void *ctx) {
+   refused some); returns when all are done. */
+static void run_parallel(int threads, task_fn fn, void *ctx) {
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     pthread_mutex_lock(&pool.call);
     if (pool.threads != threads || pool.pid != getpid()) resize_pool(threads);
@@ -211,9 +212,7 @@ static int run_parallel(int threads, task_fn fn, void *ctx) {
         fn(ctx, 0, pool.threads);
         wait_workers();
     }
-    int parts = pool.threads;
     pthread_mutex_unlock(&pool.call);
-    return parts;
 }
 
 /* ---- packing, in parallel over tiles ---- */
@@ -364,6 +363,7 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * BLOCK_BYTES;
         const int8_t *x = xq + XQ(b, 0);
+        for (int line = 0; line < BLOCK_BYTES; line += 64) _mm_prefetch((const char *)w + PREFETCH + line, _MM_HINT_T0);
         __m512i isum[MAX_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)]);
         for (int g = 0; g < GROUPS; g++) {
@@ -424,30 +424,39 @@ static tile_kernel kernel_for(int isa) {
 
 /* ---- the matmul ---- */
 
+/* A call's work is items of (a chunk of rows, a range of tiles), taken in order by whichever
+   thread is free: a thread that shares its core with another process then does less, and no
+   output depends on which thread computed it. */
 typedef struct {
     tile_kernel kernel;
     const int8_t *xq;
     const float *xs;
     const int32_t *xo;
-    int64_t m, k, n, nb, chunk;
+    int64_t m, k, n, nb;
+    int64_t row_chunk;      /* rows per item: their quantized values stay in cache */
+    int64_t ranges;         /* tile ranges per row chunk */
+    int64_t items;
+    atomic_llong next;      /* the next item to take */
     const uint8_t *packed;
     float *y;               /* the outputs, row stride ldy; or NULL to keep only each row's largest: */
     int64_t ldy;
-    float *best;            /* [parts][m] the largest output of each part's columns */
-    int64_t *best_index;    /* [parts][m] its column, the first one on ties */
+    float *best;            /* [ranges][m] the largest output of each tile range */
+    int64_t *best_index;    /* [ranges][m] its column, the first one on ties */
 } matmul_job;
 
 static void matmul_part(void *ctx, int part, int parts) {
     matmul_job *j = ctx;
     int64_t tiles = (j->n + TILE - 1) / TILE, tb = tile_bytes(j->k);
-    int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
     float out[MAX_ROWS * TILE];
-    float *best = j->best + part * j->m;
-    int64_t *best_index = j->best_index + part * j->m;
-    if (!j->y)
-        for (int64_t r = 0; r < j->m; r++) best[r] = -INFINITY, best_index[r] = first * TILE;
-    for (int64_t m0 = 0; m0 < j->m; m0 += j->chunk) {
-        int64_t m1 = m0 + j->chunk < j->m ? m0 + j->chunk : j->m;
+    (void)part, (void)parts;
+    for (int64_t item; (item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->items;) {
+        int64_t range = item % j->ranges, m0 = item / j->ranges * j->row_chunk;
+        int64_t m1 = m0 + j->row_chunk < j->m ? m0 + j->row_chunk : j->m;
+        int64_t first = tiles * range / j->ranges, last = tiles * (range + 1) / j->ranges;
+        float *best = j->best + range * j->m;
+        int64_t *best_index = j->best_index + range * j->m;
+        if (!j->y)
+            for (int64_t r = m0; r < m1; r++) best[r] = -INFINITY, best_index[r] = first * TILE;
         for (int64_t t = first; t < last; t++) {
             int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
             for (int64_t r0 = m0; r0 < m1; r0 += MAX_ROWS) {
@@ -467,7 +476,7 @@ static void matmul_part(void *ctx, int part, int parts) {
     }
 }
 
-/* The quantized activations and per-part maxima, a buffer kept between calls: one caller at a time. */
+/* The quantized activations and per-range maxima, a buffer kept between calls: one caller at a time. */
 static struct { void *data; size_t size; } scratch;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -475,8 +484,9 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
                       int64_t ldy, int64_t *argmax, int isa, int threads) {
     if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    int64_t nb = k / QBLOCK;
-    size_t maxima = y ? 0 : (size_t)(threads * m * 12);
+    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
+    int64_t ranges = tiles < 8 * threads ? tiles : 8 * threads;  /* a few items per thread to balance */
+    size_t maxima = y ? 0 : (size_t)(ranges * m * 12);
     int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;  /* whole groups */
     size_t need = (size_t)(padded * nb * 8) + maxima + (size_t)(padded * k);
     pthread_mutex_lock(&scratch_lock);
@@ -490,23 +500,24 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
         scratch.size = need;
     }
     int64_t *best_index = scratch.data;  /* 8-byte items first, then the 4-byte ones, then bytes */
-    float *best = (float *)(best_index + (y ? 0 : threads * m));
-    float *xs = best + (y ? 0 : threads * m);
+    float *best = (float *)(best_index + (y ? 0 : ranges * m));
+    float *xs = best + (y ? 0 : ranges * m);
     int32_t *xo = (int32_t *)(xs + padded * nb);
     int8_t *xq = (int8_t *)(xo + padded * nb);
     for (int64_t r = 0; r < m; r++) {  /* row r is row r % MAX_ROWS of its group */
         int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
         quantize_row(x + r * ldx, nb, xq + group * k + i * QBLOCK, xs + group * nb + i, xo + group * nb + i);
     }
-    int64_t chunk = ROW_CHUNK_BYTES / k;
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk / MAX_ROWS * MAX_ROWS;
-    matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, chunk, packed, y, ldy, best, best_index};
-    int parts = run_parallel(threads, matmul_part, &j);
-    for (int64_t r = 0; r < m && !y; r++) {  /* parts in column order: a tie keeps the first column */
-        int64_t p_best = 0;
-        for (int64_t p = 1; p < parts; p++)
-            if (best[p * m + r] > best[p_best * m + r]) p_best = p;
-        argmax[r] = best_index[p_best * m + r];
+    int64_t row_chunk = ROW_CHUNK_BYTES / k;
+    row_chunk = row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
+    matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, row_chunk, ranges,
+                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_index};
+    run_parallel(threads, matmul_part, &j);
+    for (int64_t r = 0; r < m && !y; r++) {  /* ranges in column order: a tie keeps the first column */
+        int64_t top = 0;
+        for (int64_t i = 1; i < ranges; i++)
+            if (best[i * m + r] > best[top * m + r]) top = i;
+        argmax[r] = best_index[top * m + r];
     }
     pthread_mutex_unlock(&scratch_lock);
     return 0;
