@@ -34,7 +34,9 @@ def dashboard_page(server_url: str, key: str | None = None):
         view.on("request", lambda r: r.url.startswith(server_url + "/") or problems["elsewhere"].append(r.url))
         view.on("response", lambda r: r.status >= 400 and problems["failed"].append(f"{r.status} {r.url}"))
         view.goto(f"{server_url}/dashboard" + (f"?key={key}" if key else ""))
-        view.wait_for_function("document.querySelector('.dot.live') !== null", timeout=10_000)
+        # A selector, not wait_for_function: Playwright evaluates a string predicate with eval,
+        # which the dashboard's Content-Security-Policy (rightly) refuses.
+        view.wait_for_selector(".dot.live", state="attached", timeout=10_000)
         yield view, problems
         browser.close()
 
