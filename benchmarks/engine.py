@@ -46,7 +46,7 @@ QUICK = dict(
     gemm_n=1024,
 )
 HF_ATTENTION = "sdpa"  # what transformers picks by default
-FLOOR_REPEATS = {"int8": 5, "fp32": 5, "bf16": 2}  # medians; bf16 is slow here and never the best
+FLOOR_REPEATS = {"q8": 5, "int8": 5, "fp32": 5, "bf16": 2}  # medians; bf16 is slow here and never the best
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -80,9 +80,12 @@ def roofline(gemm_n: int) -> dict:
 
 
 def weight_bytes(model, kernel: str) -> int:
-    per = {"int8": 1, "bf16": 2, "fp32": 4}[kernel]
+    per = {"q8": 4, "int8": 1, "bf16": 2, "fp32": 4}[kernel]  # q8 where it runs on torch fp32
     total = 0
     for lin in model_linears(model):
+        if kernel == "q8" and lin.q8 is not None:
+            total += lin.q8.data.numel()  # int8 weights and their fp16 scales, packed
+            continue
         total += lin.out_features * lin.in_features * per
         if kernel == "int8":
             total += lin.int8_scales.numel() * lin.int8_scales.element_size()
@@ -228,7 +231,9 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
 def run(settings: dict, quick: bool) -> dict:
     started = time.perf_counter()
     loaded = load_weights(None, progress=True)
-    engine = Engine(EngineConfig(), progress=False, loaded=loaded)  # kernel "auto": int8 + fp32
+    engine = Engine(EngineConfig(), progress=False, loaded=loaded)  # kernel "auto": q8 where it compiles
+    torch_kernels = Engine(EngineConfig(scheduler=SchedulerConfig(dense_kernel="fp32", num_blocks=16)), progress=False,
+                           loaded=loaded)  # int8 up to the measured crossover, fp32 above
     bf16 = Engine(EngineConfig(scheduler=SchedulerConfig(kernel="bf16", num_blocks=16)), progress=False,
                   loaded=loaded)
     sched = engine.config.scheduler
@@ -243,7 +248,8 @@ def run(settings: dict, quick: bool) -> dict:
     print("roofline ...", file=sys.stderr)
     result["roofline"] = roofline(settings["gemm_n"])
 
-    models = {"int8": engine.runner.model, "fp32": engine.runner.model, "bf16": bf16.runner.model}
+    models = {"q8": engine.runner.model, "int8": torch_kernels.runner.model, "fp32": torch_kernels.runner.model,
+              "bf16": bf16.runner.model}
     result["floors"], result["decode"] = {}, {}
     for i, b in enumerate(settings["batches"]):
         result["floors"][b] = floors_at(b, models)
@@ -261,7 +267,7 @@ def run(settings: dict, quick: bool) -> dict:
             for k, v in samples.items()}
 
     print("prefill ...", file=sys.stderr)
-    result["prefill_floor"] = prefill_floor(engine.runner.model, settings["prefill_len"])
+    result["prefill_floor"] = prefill_floor(torch_kernels.runner.model, settings["prefill_len"])
     result["prefill"] = tollway_prefill(engine, settings["prefill_len"], settings["prefill_runs"])
 
     result["transformers"] = {"attn_implementation": HF_ATTENTION}
@@ -323,8 +329,8 @@ def markdown(r: dict, raw: str) -> str:
         f"{m['cpu_capability']}, avx512_bf16 {'yes' if m['avx512_bf16'] else 'no'}), torch {m['torch']} "
         f"with {m['torch_threads']} threads, transformers {m['transformers']}; load average "
         f"{m['load_average_at_start']:.1f} at start, {m['load_average_at_end']:.1f} at end. "
-        f"Kernel `auto`: int8 for steps of up to {r['settings']['int8_max_tokens']} tokens (measured at first "
-        f"start and cached), {r['settings']['dense_kernel']} above. Raw timings: `{raw}`.",
+        f"Kernel `auto`: {r['settings']['dense_kernel']}, with int8 for steps of up to "
+        f"{r['settings']['int8_max_tokens']} tokens (measured at first start and cached). Raw timings: `{raw}`.",
         "",
         f"Roofline: memcpy {roof['memcpy_gb_s']:.1f} GB/s (read + write), read {roof['read_gb_s']:.1f} GB/s, GEMM {roof['gemm_n']}³ "
         f"fp32 {roof['fp32_gemm_gflop_s']:.1f} GFLOP/s, bf16 {roof['bf16_gemm_gflop_s']:.2f} GFLOP/s.",
@@ -334,15 +340,16 @@ def markdown(r: dict, raw: str) -> str:
         "and nothing prefills; floor = every linear layer plus the LM head at b rows, the median of "
         "samples taken between the decode steps, ms):",
         "",
-        "| b | kernel used | step ms | tok/s | int8 floor | fp32 floor | bf16 floor | best | step / best floor "
-        "| step / int8 floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| b | kernel used | step ms | tok/s | q8 floor | int8 floor | fp32 floor | bf16 floor | best "
+        "| step / best floor | step / int8 floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b, row in s["decode"].items():
         k = r["floors"][b]["interleaved"]
         lines.append(
             f"| {b} | {row['kernel_used']} | {ms(row['step_seconds'])} | {row['tok_s']:.1f} | "
-            f"{ms(k['int8']['seconds'])} | {ms(k['fp32']['seconds'])} | {ms(k['bf16']['seconds'])} | "
+            f"{ms(k['q8']['seconds'])} | {ms(k['int8']['seconds'])} | {ms(k['fp32']['seconds'])} | "
+            f"{ms(k['bf16']['seconds'])} | "
             f"{row['best_kernel']} | {row['step_over_best_floor']:.2f} | {row['step_over_int8_floor']:.2f} |")
     lines += [
         "",

@@ -8,7 +8,7 @@ from tollway.scheduler.step_model import StepShape
 
 
 def test_profile_spans_decode_batches_and_prefill_chunks_within_the_limits():
-    sched = SchedulerConfig(int8_max_tokens=32, max_num_seqs=64, max_num_batched_tokens=512)
+    sched = SchedulerConfig(int8_max_tokens=32, dense_kernel="fp32", max_num_seqs=64, max_num_batched_tokens=512)
     plans = profile_plans(sched)
     decode_sizes = sorted({len(p.seqs) for p in plans if all(s.is_decode for s in p.seqs)})
     assert decode_sizes == [1, 2, 4, 8, 16, 32, 48, 64]
