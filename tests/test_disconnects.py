@@ -211,6 +211,26 @@ def test_an_add_cancelled_while_queued_or_landing_leaves_nothing_behind(server):
     assert (after["running"], after["waiting"]) == (0, 0)
 
 
+def test_an_abort_ends_the_stream_with_a_final_output_and_frees_at_once(server):
+    """With nothing else to run, no step follows an abort: its final output (finish_reason
+    "abort") and the freed blocks must come from the abort itself."""
+    engine = server["engine"]
+    ended = []
+    engine.observe(lambda _, plan, result, outputs: ended.extend(o for o in outputs if plan is None))
+
+    async def abort_after_first_token():
+        stream = await engine.add([5, 6, 7, 8], SamplingParams(max_tokens=500, ignore_eos=True))
+        first = await stream.__anext__()
+        stream.abort()
+        return first, await stream.ended()
+
+    first, final = asyncio.run(abort_after_first_token())
+    assert final.finished and final.finish_reason == "abort" and len(final.token_ids) >= len(first.token_ids)
+    assert [o.request_id for o in ended] == [final.request_id]  # the observers saw it end, once
+    held = engine.occupancy
+    assert held.idle and held.kv_blocks_used == 0 and engine.progress == {}
+
+
 def test_a_plain_request_is_aborted_when_its_client_goes(server):
     """Nothing streams, so only the server's listening for the hang-up can stop it."""
     url = server["url"]

@@ -166,6 +166,7 @@ class AsyncEngine:
                 # Block for work only while idle; between steps take whatever has arrived.
                 block = not self.engine.has_unfinished()
                 self._drain(block)
+                self._publish(None)  # before anyone hears of what the commands did
                 self._end_aborted()
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
@@ -174,12 +175,12 @@ class AsyncEngine:
                         self.longest_step = max(self.longest_step, result.seconds)
                         for observe in self._observers:
                             observe(self.engine, plan, result, outputs)
+                    self._publish(plan)
                     for out in outputs:
                         self._deliver(out.request_id, out, last=out.finished)
-                    self._end_aborted()  # a caller whose event loop closed meanwhile
-                    self._publish(plan)
-                else:
-                    self._publish(None)
+                    if self._aborted:  # a caller whose event loop closed meanwhile
+                        self._publish(None)
+                        self._end_aborted()
             stopped: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
             self.error = stopped = e
