@@ -14,9 +14,9 @@ and block of 32 to int8 with a float scale at each call.
 Every output is the same float sum in every path: acc = fma((float)isum_b, wscale_b * xscale_b,
 acc) over blocks b in order, where isum_b is the exact integer dot product of block b. So a row's
 result never depends on the other rows of the call, on the thread count, or on the instruction
-set; each path just gets isum_b its own way. Threads split the output tiles; every row of a call
-passes through each tile while it is in cache, so the weights stream from memory once per call
-(per chunk of rows for very large M).
+set; each path just gets isum_b its own way. Threads take items of (a chunk of rows, a range of
+tiles); every row of a chunk passes through each tile while it is in cache, so the weights stream
+from memory once per call (once per chunk of rows for very large M).
 */
 #define _GNU_SOURCE
 #include <math.h>
@@ -46,7 +46,7 @@ static int64_t tile_bytes(int64_t k) { return (k / QBLOCK) * (BLOCK_BYTES + TILE
 
 int64_t q8_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * tile_bytes(k); }
 
-/* ---- fp16 <-> fp32 (portable and exact: scales are converted once per tile and block) ---- */
+/* ---- fp16 <-> fp32, portable and exact (the SIMD paths convert scales with F16C) ---- */
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
