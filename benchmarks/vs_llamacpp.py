@@ -117,8 +117,10 @@ def _build_peer(folder: Path) -> dict:
         _run_or_exit([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
                       f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp)], "pip download llama-cpp-python")
         with tarfile.open(next(tmp.glob("llama_cpp_python-*.tar.gz"))) as sdist:
-            vendor = [m for m in sdist.getmembers() if "/vendor/llama.cpp/" in m.name]
-            sdist.extractall(tmp, members=vendor, filter="data")
+            # llama.cpp, and the changelog that names its commit
+            wanted = [m for m in sdist.getmembers() if "/vendor/llama.cpp/" in m.name
+                      or (m.name.endswith("/CHANGELOG.md") and m.name.count("/") == 1)]
+            sdist.extractall(tmp, members=wanted, filter="data")
         source = next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
         commit = _vendored_commit(source.parent.parent / "CHANGELOG.md")
         build = tmp / "build"
