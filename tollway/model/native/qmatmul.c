@@ -38,6 +38,7 @@ from memory once per call (once per chunk of rows for very large M).
 #define BLOCK_BYTES (TILE * QBLOCK)     /* weight bytes of one tile and block */
 #define MAX_ROWS 8                      /* activation rows per kernel pass */
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
+#define QUANTIZE_PARALLEL (64 * 1024)  /* activation values from which the threads share quantizing them */
 #define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
@@ -113,7 +114,10 @@ static void pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *
     }
 }
 
-/* ---- the thread pool ---- */
+/* ---- the thread pool ----
+   A call is split into parts that threads claim: the caller claims too, so a part a worker never
+   got to (its core busy with another process, or asleep) is run by the caller, which then waits
+   only for the parts workers did claim. */
 
 typedef void (*task_fn)(void *ctx, int part, int parts);
 
@@ -127,9 +131,11 @@ static struct {
     int threads;           /* including the caller; 0 before the first call */
     pid_t pid;             /* threads do not survive fork: a child starts its own */
     pthread_t ids[MAX_THREADS];
-    atomic_uint generation;
+    atomic_uint generation;  /* of the call in flight */
     unsigned started;      /* the generation when the workers were started */
-    atomic_int pending;
+    atomic_ullong claims;  /* generation << 32 | parts claimed so far */
+    atomic_int parts;
+    atomic_int done;       /* parts finished by workers */
     int quit;
     task_fn fn;
     void *ctx;
@@ -147,8 +153,18 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The next unclaimed part of call `generation`, or -1 when it has none left or is over. */
+static int claim(unsigned generation) {
+    unsigned long long c = atomic_load_explicit(&pool.claims, memory_order_acquire);
+    for (;;) {
+        if ((unsigned)(c >> 32) != generation || (int)(c & 0xffffffffu) >= atomic_load(&pool.parts)) return -1;
+        if (atomic_compare_exchange_weak_explicit(&pool.claims, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
+            return (int)(c & 0xffffffffu);
+    }
+}
+
 static void *worker(void *arg) {
-    int part = (int)(intptr_t)arg;
+    (void)arg;
     unsigned seen = pool.started;  /* not the current one: the first call may come before this runs */
     for (;;) {
         int64_t deadline = now_ns() + SPIN_NS;
@@ -160,33 +176,33 @@ static void *worker(void *arg) {
             while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
             pthread_mutex_unlock(&pool.lock);
         }
-        seen = atomic_load(&pool.generation);
+        seen = atomic_load_explicit(&pool.generation, memory_order_acquire);
         if (pool.quit) return NULL;
-        pool.fn(pool.ctx, part, pool.threads);
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+        for (int part; (part = claim(seen)) >= 0;) {
+            pool.fn(pool.ctx, part, atomic_load(&pool.parts));
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        }
     }
 }
 
-static void publish(task_fn fn, void *ctx) {
+static unsigned publish(task_fn fn, void *ctx, int parts) {
+    unsigned generation = atomic_load(&pool.generation) + 1;
     pool.fn = fn;
     pool.ctx = ctx;
-    atomic_store(&pool.pending, pool.threads - 1);
+    atomic_store(&pool.parts, parts);
+    atomic_store(&pool.done, 0);
+    atomic_store_explicit(&pool.claims, (unsigned long long)generation << 32, memory_order_release);
     pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    atomic_store_explicit(&pool.generation, generation, memory_order_release);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-}
-
-static void wait_workers(void) {
-    unsigned spins = 0;
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire))
-        if (++spins % 1024) cpu_relax(); else sched_yield();  /* a worker may have lost its core */
+    return generation;
 }
 
 static void resize_pool(int threads) {
     if (pool.threads > 1 && pool.pid == getpid()) {
         pool.quit = 1;
-        publish(NULL, NULL);
+        publish(NULL, NULL, 0);
         for (int i = 1; i < pool.threads; i++) pthread_join(pool.ids[i], NULL);
         pool.quit = 0;
     }
@@ -194,23 +210,26 @@ static void resize_pool(int threads) {
     pool.pid = getpid();
     pool.started = atomic_load(&pool.generation);
     for (int i = 1; i < threads; i++) {
-        if (pthread_create(&pool.ids[i], NULL, worker, (void *)(intptr_t)i)) break;
+        if (pthread_create(&pool.ids[i], NULL, worker, NULL)) break;
         pool.threads = i + 1;
     }
 }
 
-/* Runs fn(ctx, part, parts) for part = 0..parts-1 on `threads` threads (fewer if the system
-   refused some); returns when all are done. */
+/* Runs fn(ctx, part, parts) for part = 0..parts-1, parts = `threads` (fewer if the system
+   refused some), on the pool; returns when all are done. */
 static void run_parallel(int threads, task_fn fn, void *ctx) {
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     pthread_mutex_lock(&pool.call);
     if (pool.threads != threads || pool.pid != getpid()) resize_pool(threads);
-    if (pool.threads == 1) {
+    int parts = pool.threads, mine = 0;
+    if (parts == 1) {
         fn(ctx, 0, 1);
     } else {
-        publish(fn, ctx);
-        fn(ctx, 0, pool.threads);
-        wait_workers();
+        unsigned generation = publish(fn, ctx, parts);
+        for (int part; (part = claim(generation)) >= 0; mine++) fn(ctx, part, parts);
+        unsigned spins = 0;
+        while (atomic_load_explicit(&pool.done, memory_order_acquire) < parts - mine)
+            if (++spins % 1024) cpu_relax(); else sched_yield();  /* a worker may have lost its core */
     }
     pthread_mutex_unlock(&pool.call);
 }
@@ -239,14 +258,25 @@ void q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads) {
 #define XQ(b, r) (((b) * MAX_ROWS + (r)) * QBLOCK)
 #define XS(b, r) ((b) * MAX_ROWS + (r))
 
-static void quantize_row(const float *x, int64_t nb, int8_t *q, float *scale, int32_t *offset) {
+/* One C body, compiled for each instruction set and picked at load: the same IEEE operations,
+   so the same bits, from every clone. */
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void quantize_row(const float *restrict x, int64_t nb, int8_t *restrict q, float *restrict scale,
+                         int32_t *restrict offset) {
     for (int64_t b = 0; b < nb; b++) {
         const float *src = x + b * QBLOCK;
-        float amax = 0.0f;
+        /* |v| as bits orders like |v|, and an integer max reduction vectorizes where a float one
+           (NaN rules) does not. */
+        uint32_t bits[QBLOCK], top = 0;
+        memcpy(bits, src, sizeof bits);
         for (int i = 0; i < QBLOCK; i++) {
-            float a = fabsf(src[i]);
-            amax = a > amax ? a : amax;
+            uint32_t a = bits[i] & 0x7fffffff;
+            top = a > top ? a : top;
         }
+        float amax;
+        memcpy(&amax, &top, 4);
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
@@ -257,6 +287,24 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *scale, in
         }
         scale[XS(b, 0)] = amax / 127.0f;
         offset[XS(b, 0)] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t ldx, m, k;
+    int8_t *xq;
+    float *xs;
+    int32_t *xo;
+} quantize_job;
+
+static void quantize_part(void *ctx, int part, int parts) {
+    quantize_job *j = ctx;
+    int64_t nb = j->k / QBLOCK;
+    for (int64_t r = j->m * part / parts; r < j->m * (part + 1) / parts; r++) {  /* row r % MAX_ROWS of its group */
+        int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
+        quantize_row(j->x + r * j->ldx, nb, j->xq + group * j->k + i * QBLOCK, j->xs + group * nb + i,
+                     j->xo + group * nb + i);
     }
 }
 
@@ -504,10 +552,11 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
     float *xs = best + (y ? 0 : ranges * m);
     int32_t *xo = (int32_t *)(xs + padded * nb);
     int8_t *xq = (int8_t *)(xo + padded * nb);
-    for (int64_t r = 0; r < m; r++) {  /* row r is row r % MAX_ROWS of its group */
-        int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
-        quantize_row(x + r * ldx, nb, xq + group * k + i * QBLOCK, xs + group * nb + i, xo + group * nb + i);
-    }
+    quantize_job q = {x, ldx, m, k, xq, xs, xo};
+    if (m * k >= QUANTIZE_PARALLEL)
+        run_parallel(threads, quantize_part, &q);
+    else
+        quantize_part(&q, 0, 1);
     int64_t row_chunk = ROW_CHUNK_BYTES / k;
     row_chunk = row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
     matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, row_chunk, ranges,
