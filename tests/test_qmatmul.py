@@ -159,3 +159,19 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(l
                 assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_without_any_compiler_the_native_kernels_say_so_once(tmp_path, monkeypatch, caplog):
+    from tollway.model.native import build
+    from tollway.model.row_ops import row_ops_library
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    build._warn_no_compiler.cache_clear()
+    qmatmul.q8_library.cache_clear()
+    try:
+        assert q8_library(tmp_path) is None and row_ops_library(tmp_path) is None
+    finally:
+        qmatmul.q8_library.cache_clear()
+        build._warn_no_compiler.cache_clear()
+    assert caplog.text.count("no C compiler found") == 1

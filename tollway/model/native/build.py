@@ -3,6 +3,7 @@ cached under the user cache dir, keyed by everything that can change the binary.
 warning line, when there is no working compiler: callers then run on torch."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -22,7 +23,7 @@ def compiled_library(source: Path, folder: Path, flags: list[str], headers: tupl
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     name = source.stem
     if not cc:
-        _log.warning("no C compiler found for %s: using %s (slower)", source.name, fallback)
+        _warn_no_compiler()
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -48,6 +49,12 @@ def compiled_library(source: Path, folder: Path, flags: list[str], headers: tupl
     except (OSError, subprocess.SubprocessError) as exc:
         _log.warning("could not build %s (%s): using %s", source.name, exc, fallback)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_compiler() -> None:
+    # Said once for all the native kernels, not once per source.
+    _log.warning("no C compiler found (set CC to one): the native kernels run on torch, which is slower")
 
 
 def _cpu_flags() -> bytes:
