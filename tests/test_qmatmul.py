@@ -131,6 +131,12 @@ def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(libr
     assert torch.equal(odd(x[:, :40], "q8"), Linear(w[:, :40], None, {"fp32"}, torch.device("cpu"))(x[:, :40], "fp32"))
     with pytest.raises(ValueError, match="multiple of 32"):
         library.pack(w[:, :40])
+    huge = w.clone()
+    huge[3, 7] = 1e7  # its block's scale would pass fp16's largest
+    with caplog.at_level(logging.WARNING):
+        beyond = Linear(huge, None, {"q8"}, torch.device("cpu"), q8=library)
+    assert beyond.q8 is None and "fp16" in caplog.text
+    assert torch.equal(beyond(x, "q8"), Linear(huge, None, {"fp32"}, torch.device("cpu"))(x, "fp32"))
 
 
 def test_without_a_compiler_q8_runs_on_torch(tmp_path, monkeypatch, caplog):

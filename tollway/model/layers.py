@@ -48,11 +48,10 @@ class Linear:
         self.bias = bias.float().to(device) if bias is not None else None
         self.q8 = None
         if "q8" in kernels and q8 is not None:
-            if self.in_features % 32 == 0:
+            try:
                 self.q8 = q8.pack(w)
-            else:
-                _log.warning("q8: a %dx%d linear has in_features not a multiple of 32; it runs the fp32 matmul",
-                             self.out_features, self.in_features)
+            except ValueError as exc:  # shapes or values the kernel does not cover
+                _log.warning("q8: a %dx%d linear runs the fp32 matmul: %s", self.out_features, self.in_features, exc)
         q8_on_torch = "q8" in kernels and self.q8 is None
         self.fp32 = w.to(device) if "fp32" in kernels or q8_on_torch else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None

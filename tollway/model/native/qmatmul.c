@@ -84,8 +84,9 @@ static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f
 
 /* ---- packing weights ---- */
 
-static void pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *out) {
-    int64_t nb = k / QBLOCK;
+/* Returns how many of the tile's blocks have a scale past fp16's range (or NaN weights). */
+static int64_t pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *out) {
+    int64_t nb = k / QBLOCK, overflows = 0;
     uint16_t *scales = (uint16_t *)(out + nb * BLOCK_BYTES);
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < TILE; r++) {
@@ -100,6 +101,7 @@ static void pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *
                     amax = a > amax ? a : amax;
                 }
                 half = float_to_half(amax / 127.0f);
+                overflows += (half & 0x7c00) == 0x7c00;
                 float d = half_to_float(half), inv = d > 0.0f ? 1.0f / d : 0.0f;
                 for (int i = 0; i < QBLOCK; i++) {
                     float v = round_even(src[i] * inv);
@@ -112,6 +114,7 @@ static void pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *
             for (int g = 0; g < GROUPS; g++) memcpy(out + b * BLOCK_BYTES + g * TILE * 4 + r * 4, q + g * 4, 4);
         }
     }
+    return overflows;
 }
 
 /* ---- the thread pool ----
@@ -236,19 +239,22 @@ static void run_parallel(int threads, task_fn fn, void *ctx) {
 
 /* ---- packing, in parallel over tiles ---- */
 
-typedef struct { const float *w; int64_t n, k; uint8_t *out; } pack_job;
+typedef struct { const float *w; int64_t n, k; uint8_t *out; atomic_llong overflows; } pack_job;
 
 static void pack_part(void *ctx, int part, int parts) {
     pack_job *j = ctx;
-    int64_t tiles = (j->n + TILE - 1) / TILE;
+    int64_t tiles = (j->n + TILE - 1) / TILE, overflows = 0;
     for (int64_t t = tiles * part / parts; t < tiles * (part + 1) / parts; t++)
-        pack_tile(j->w, j->n, j->k, t, j->out + t * tile_bytes(j->k));
+        overflows += pack_tile(j->w, j->n, j->k, t, j->out + t * tile_bytes(j->k));
+    atomic_fetch_add(&j->overflows, overflows);
 }
 
-/* w: [n, k] float32 rows, k a multiple of 32; out: q8_packed_bytes(n, k) bytes. */
-void q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads) {
-    pack_job j = {w, n, k, out};
+/* w: [n, k] float32 rows, k a multiple of 32; out: q8_packed_bytes(n, k) bytes. Returns the
+   number of blocks it cannot represent (|w| beyond 127 x fp16's largest, or NaN): 0 to use it. */
+int64_t q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads) {
+    pack_job j = {w, n, k, out, 0};
     run_parallel(threads, pack_part, &j);
+    return atomic_load(&j.overflows);
 }
 
 /* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----

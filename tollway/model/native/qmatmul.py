@@ -38,7 +38,7 @@ class Q8Library:
         self._lib = lib
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
-        self._pack = _bind(lib.q8_pack, None, p, i64, i64, p, i32)
+        self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
         self._matmul = _bind(lib.q8_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
         self._argmax = _bind(lib.q8_matmul_argmax, i32, p, i64, i64, i64, p, i64, p, i32, i32)
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
@@ -54,13 +54,15 @@ class Q8Library:
         return isa
 
     def pack(self, weight: torch.Tensor) -> Q8Weight:
-        """weight: [N, K] on the CPU, K a multiple of 32."""
+        """weight: [N, K] on the CPU. ValueError when K is not a multiple of 32, or a block's
+        scale would not fit fp16 (|w| past 8e6, or NaN)."""
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
         w = weight.float().contiguous()
         data = torch.empty(self._packed_bytes(n, k), dtype=torch.uint8)
-        self._pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
+        if self._pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads()):
+            raise ValueError("weights beyond the range of fp16 block scales (or NaN)")
         return Q8Weight(self, data, n, k)
 
     def matmul(self, x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
