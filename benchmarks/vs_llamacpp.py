@@ -285,6 +285,10 @@ def run(settings: dict, quick: bool) -> dict:
     peer = peer_binaries()
     folder, gguf = Path(peer["folder"]), resolve_model(DEFAULT_MODEL)
     loads, threads = settings["loads"], settings["threads"]
+    if machine["load_average_at_start"] + threads > machine["cores"] + 1:
+        print(f"vs_llamacpp: warning: load average {machine['load_average_at_start']:.1f} on {machine['cores']} cores "
+              f"before the servers start: with {threads} threads each, llama-server may crawl and the ratios "
+              "flatter tollway; a quiet machine (or --threads 1) gives figures that mean something", file=sys.stderr)
     tokenizer = Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
     servers = {}
     with tempfile.TemporaryDirectory(prefix="tollway-vs-llamacpp-") as tmp:
