@@ -37,15 +37,17 @@ def test_samples_survive_json():
 
 
 def test_engine_step_model_comes_from_the_runner_and_learns_online(make_engine, run_to_completion):
-    engine = make_engine(profile_steps=True, kernel="int8", max_num_seqs=8, max_num_batched_tokens=64)
+    # The default CPU kernel: torch's int8 kernel swings 2-3x with machine load, too much to
+    # tell a wrong model from a busy machine.
+    engine = make_engine(profile_steps=True, kernel="q8", max_num_seqs=8, max_num_batched_tokens=64)
     model = engine.step_model
     assert model is engine.scheduler.step_model
-    coeffs = model.coefficients["int8"]
+    coeffs = model.coefficients["q8"]
     # Nothing negative. The fixed cost may fit to 0: rows count in whole row groups, so even a
     # one-token step is charged a group, which already carries it.
     assert all(c >= 0 for c in coeffs) and coeffs[0] + coeffs[1] + coeffs[2] > 0
-    one, eight = (model.predict(StepShape("int8").plus(100, 1, 1)),
-                  model.predict(StepShape("int8", 8, 8, 0.8)))
+    one, eight = (model.predict(StepShape("q8").plus(100, 1, 1)),
+                  model.predict(StepShape("q8", 8, 8, 0.8)))
     assert 0 < one < eight
     prompts = [[1000 + i, 2000 + i, 3000 + i] * 10 for i in range(6)]
     run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
