@@ -19,7 +19,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 # "auto" is the default: q8 on a CPU where the native matmul compiles.
-@pytest.fixture(scope="module", params=["auto", "int8", "fp32"])
+@pytest.fixture(scope="module", params=["auto", "q4", "int8", "fp32"])
 def kernel(request):
     return request.param
 

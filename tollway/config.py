@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KERNELS = ("q8", "int8", "bf16", "fp32")
+KERNELS = ("q8", "q4", "int8", "bf16", "fp32")
 POLICIES = ("lanes", "priority", "fcfs")
 TIERS = ("fast", "standard", "batch")  # in priority order
 
@@ -77,7 +77,9 @@ class SchedulerConfig:
     max_model_len: int = 8192  # prompt + output, per request
     enable_prefix_caching: bool = True
     # Linear-layer kernel: a fixed name from KERNELS, or "auto" to pick per step by its token count.
-    # q8 is the native integer matmul (int8 blocks of 32; the fp32 matmul where it does not compile).
+    # q8 is the native integer matmul (int8 blocks of 32; the fp32 matmul where it does not compile);
+    # q4 is q8 with the weights that are exactly 4-bit per 32 (a GGUF's Q4_K) read as such. "auto"
+    # never mixes the two by step size: their numerics differ, so greedy results would depend on the batch.
     kernel: str = "auto"
     # With kernel="auto": steps of at most this many tokens use int8 weight-only matmuls,
     # larger steps use `dense_kernel`. None: measured on this machine at the first start, then cached.

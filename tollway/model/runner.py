@@ -37,7 +37,7 @@ class ModelRunner:
         self.block_size = sched.block_size
         max_positions = min(model_config.max_position_embeddings, sched.max_model_len)
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
-        q8 = q8_library(cache_dir) if "q8" in kernels and device.type == "cpu" else None
+        q8 = q8_library(cache_dir) if kernels & {"q8", "q4"} and device.type == "cpu" else None
         build = LinearBuilder(tensors, kernels, device, int8, q8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
             model_config, tensors, build, max_positions, row_ops_for(device, model_config.head_dim, cache_dir), device)

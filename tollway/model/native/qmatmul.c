@@ -17,6 +17,16 @@ result never depends on the other rows of the call, on the thread count, or on t
 set; each path just gets isum_b its own way. Threads take items of (a chunk of rows, a range of
 tiles); every row of a chunk passes through each tile while it is in cache, so the weights stream
 from memory once per call (once per chunk of rows for very large M).
+
+q4 (packed by q4_pack from 4-bit values q in 0..15 with an fp32 scale and min per block, w = scale*q
+- min: Q4_K's sub-blocks exactly) has the same tiles, rows, threads and activations. A block of a
+tile is 4 chunks of 64 bytes, chunk p holding groups p (low nibbles) and p + 4 (high nibbles) in the
+16-rows-x-4-bytes order above, then 16 fp32 scales and 16 fp32 mins:
+
+    tile t: [nb] x ([4][16][4] u8 nibble pairs, [16] fp32 scales, [16] fp32 mins)
+
+and every path sums acc = fma(scale_b * (float)isum_b - min_b * (float)xsum_b, xscale_b, acc), with
+isum_b = dot(q, xq) exact in integers and xsum_b the sum of the block's quantized activations.
 */
 #define _GNU_SOURCE
 #include <math.h>
@@ -43,9 +53,17 @@ from memory once per call (once per chunk of rows for very large M).
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
 
-static int64_t tile_bytes(int64_t k) { return (k / QBLOCK) * (BLOCK_BYTES + TILE * 2); }
+static int64_t q8_tile_bytes(int64_t k) { return (k / QBLOCK) * (BLOCK_BYTES + TILE * 2); }
 
-int64_t q8_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * tile_bytes(k); }
+int64_t q8_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q8_tile_bytes(k); }
+
+#define Q4_CHUNK (TILE * 4)                        /* bytes of one chunk: 16 rows x 4 nibble pairs */
+#define Q4_NIBBLES (TILE * QBLOCK / 2)             /* nibble bytes of one tile and block */
+#define Q4_BLOCK_BYTES (Q4_NIBBLES + TILE * 8)     /* then the fp32 scales and mins */
+
+static int64_t q4_tile_bytes(int64_t k) { return (k / QBLOCK) * Q4_BLOCK_BYTES; }
+
+int64_t q4_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q4_tile_bytes(k); }
 
 /* ---- fp16 <-> fp32, portable and exact (the SIMD paths convert scales with F16C) ---- */
 
@@ -245,7 +263,7 @@ static void pack_part(void *ctx, int part, int parts) {
     pack_job *j = ctx;
     int64_t tiles = (j->n + TILE - 1) / TILE, overflows = 0;
     for (int64_t t = tiles * part / parts; t < tiles * (part + 1) / parts; t++)
-        overflows += pack_tile(j->w, j->n, j->k, t, j->out + t * tile_bytes(j->k));
+        overflows += pack_tile(j->w, j->n, j->k, t, j->out + t * q8_tile_bytes(j->k));
     atomic_fetch_add(&j->overflows, overflows);
 }
 
@@ -255,6 +273,26 @@ int64_t q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads)
     pack_job j = {w, n, k, out, 0};
     run_parallel(threads, pack_part, &j);
     return atomic_load(&j.overflows);
+}
+
+/* q: [n, k] values 0..15, scale and min: [n, k / 32]; out: q4_packed_bytes(n, k) bytes. */
+void q4_pack(const uint8_t *q, const float *scale, const float *min, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
+    memset(out, 0, (size_t)q4_packed_bytes(n, k));  /* padding rows: zero values, scales and mins */
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *block = out + (t * nb + b) * Q4_BLOCK_BYTES;
+            float *scales = (float *)(block + Q4_NIBBLES), *mins = scales + TILE;
+            for (int r = 0; r < TILE && t * TILE + r < n; r++) {
+                int64_t row = t * TILE + r;
+                const uint8_t *src = q + row * k + b * QBLOCK;
+                for (int i = 0; i < QBLOCK / 2; i++)  /* groups 0..3 low, 4..7 high */
+                    block[(i / 4) * Q4_CHUNK + r * 4 + i % 4] = (uint8_t)(src[i] | src[i + QBLOCK / 2] << 4);
+                scales[r] = scale[row * nb + b];
+                mins[r] = min[row * nb + b];
+            }
+        }
+    }
 }
 
 /* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----
@@ -341,6 +379,32 @@ static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, con
     }
 }
 
+/* xo holds -128 * the block's sum of quantized activations (for q8's +128 weights): q4 wants the sum. */
+static inline float xsum_of(int32_t xo) { return (float)(xo / -128); }
+
+static void q4_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                             int rows, float *out) {
+    for (int r = 0; r < rows; r++) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
+            const float *scales = (const float *)(w + Q4_NIBBLES), *mins = scales + TILE;
+            const int8_t *x = xq + XQ(b, r);
+            float xsum = xsum_of(xo[XS(b, r)]);
+            for (int lane = 0; lane < TILE; lane++) {
+                int32_t isum = 0;
+                for (int i = 0; i < QBLOCK / 2; i++) {
+                    uint8_t pair = w[(i / 4) * Q4_CHUNK + lane * 4 + i % 4];
+                    isum += (pair & 15) * x[i] + (pair >> 4) * x[i + QBLOCK / 2];
+                }
+                float t = scales[lane] * (float)isum - mins[lane] * xsum;
+                acc[lane] = fmaf(t, xs[XS(b, r)], acc[lane]);
+            }
+        }
+        memcpy(out + r * TILE, acc, sizeof acc);
+    }
+}
+
 #if defined(__x86_64__)
 
 static inline int32_t group_of(const int8_t *p) {
@@ -378,6 +442,44 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
                 for (int r = 0; r < n; r++) {
                     __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
+                }
+            }
+            for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
+        }
+    }
+}
+
+/* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
+0..15, so vpmaddubsw takes it as the u8 operand directly: a pair stays within 2 * 15 * 128. */
+__attribute__((target("avx2,fma,f16c")))
+static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                         int rows, float *out) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            int n = rows - r0 < 4 ? rows - r0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
+                __m256i isum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                   _mm256_setzero_si256()};
+                for (int p = 0; p < 4; p++) {
+                    __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + p * Q4_CHUNK + half * 32));
+                    __m256i lo = _mm256_and_si256(pairs, low), hi = _mm256_and_si256(_mm256_srli_epi16(pairs, 4), low);
+                    for (int r = 0; r < n; r++) {
+                        const int8_t *x = xq + XQ(b, r0 + r);
+                        __m256i sums = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(group_of(x + p * 4))),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(group_of(x + (p + 4) * 4))));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sums, ones));
+                    }
+                }
+                const float *scales = (const float *)(w + Q4_NIBBLES) + half * 8;
+                __m256 ws = _mm256_loadu_ps(scales), wm = _mm256_loadu_ps(scales + TILE);
+                for (int r = 0; r < n; r++) {
+                    __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum[r])),
+                                             _mm256_mul_ps(wm, _mm256_set1_ps(xsum_of(xo[XS(b, r0 + r)]))));
+                    acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xs[XS(b, r0 + r)]), acc[r]);
                 }
             }
             for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
@@ -433,6 +535,49 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
+/* q4 on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static inline __attribute__((always_inline)) void q4_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
+                                                                   const float *xs, const int32_t *xo, const int rows,
+                                                                   float *out) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
+        const int8_t *x = xq + XQ(b, 0);
+        for (int line = 0; line < Q4_BLOCK_BYTES; line += 64) _mm_prefetch((const char *)w + PREFETCH + line, _MM_HINT_T0);
+        __m512i isum[MAX_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+            __m512i lo = _mm512_and_si512(pairs, low), hi = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), low);
+            for (int r = 0; r < rows; r++) {
+                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
+                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+            }
+        }
+        const float *scales = (const float *)(w + Q4_NIBBLES);
+        __m512 ws = _mm512_loadu_ps(scales), wm = _mm512_loadu_ps(scales + TILE);
+        for (int r = 0; r < rows; r++) {
+            __m512 t = _mm512_sub_ps(_mm512_mul_ps(ws, _mm512_cvtepi32_ps(isum[r])),
+                                     _mm512_mul_ps(wm, _mm512_set1_ps(xsum_of(xo[XS(b, r)]))));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[XS(b, r)]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static void q4_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                               int rows, float *out) {
+    switch (rows) {
+#define ROWS_CASE(R) case R: q4_vnni512_rows(tile, nb, xq, xs, xo, R, out); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                             int rows, float *out) {
@@ -465,7 +610,10 @@ int q8_isa_supported(int isa) {
 #endif
 }
 
-static tile_kernel kernel_for(int isa) {
+/* A weight format: its tile size and its kernel per instruction set. */
+typedef struct { int64_t (*tile_bytes)(int64_t k); tile_kernel (*kernel_for)(int isa); } format;
+
+static tile_kernel q8_kernel_for(int isa) {
 #if defined(__x86_64__)
     switch (isa) {
         case ISA_AVX2: return tile_avx2;
@@ -476,6 +624,18 @@ static tile_kernel kernel_for(int isa) {
     return tile_portable;
 }
 
+static tile_kernel q4_kernel_for(int isa) {
+#if defined(__x86_64__)
+    switch (isa) {
+        case ISA_AVX2: case ISA_AVXVNNI: return q4_tile_avx2;
+        case ISA_AVX512VNNI: return q4_tile_avx512vnni;
+    }
+#endif
+    return q4_tile_portable;
+}
+
+static const format Q8 = {q8_tile_bytes, q8_kernel_for}, Q4 = {q4_tile_bytes, q4_kernel_for};
+
 /* ---- the matmul ---- */
 
 /* A call's work is items of (a chunk of rows, a range of tiles), taken in order by whichever
@@ -483,6 +643,7 @@ static tile_kernel kernel_for(int isa) {
    output depends on which thread computed it. */
 typedef struct {
     tile_kernel kernel;
+    int64_t tile_bytes;
     const int8_t *xq;
     const float *xs;
     const int32_t *xo;
@@ -500,7 +661,7 @@ typedef struct {
 
 static void matmul_part(void *ctx, int part, int parts) {
     matmul_job *j = ctx;
-    int64_t tiles = (j->n + TILE - 1) / TILE, tb = tile_bytes(j->k);
+    int64_t tiles = (j->n + TILE - 1) / TILE, tb = j->tile_bytes;
     float out[MAX_ROWS * TILE];
     (void)part, (void)parts;
     for (int64_t item; (item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->items;) {
@@ -534,7 +695,7 @@ static void matmul_part(void *ctx, int part, int parts) {
 static struct { void *data; size_t size; } scratch;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
                       int64_t ldy, int64_t *argmax, int isa, int threads) {
     if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
@@ -565,7 +726,7 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
         quantize_part(&q, 0, 1);
     int64_t row_chunk = ROW_CHUNK_BYTES / k;
     row_chunk = row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
-    matmul_job j = {kernel_for(isa), xq, xs, xo, m, k, n, nb, row_chunk, ranges,
+    matmul_job j = {f->kernel_for(isa), f->tile_bytes(k), xq, xs, xo, m, k, n, nb, row_chunk, ranges,
                     (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_index};
     run_parallel(threads, matmul_part, &j);
     for (int64_t r = 0; r < m && !y; r++) {  /* ranges in column order: a tie keeps the first column */
@@ -582,14 +743,25 @@ static int run_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const u
    Returns 0, or -1 when the instruction set is not supported here or memory ran out. */
 int q8_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
               int64_t ldy, int isa, int threads) {
-    return run_matmul(x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
+    return run_matmul(&Q8, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
+}
+
+/* The same for W packed by q4_pack. */
+int q4_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+              int64_t ldy, int isa, int threads) {
+    return run_matmul(&Q4, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
 }
 
 /* argmax[r] = the column of row r's largest output of the same product (the first on ties),
    without writing the outputs: the greedy token of an LM head. */
 int q8_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
                      int64_t *argmax, int isa, int threads) {
-    return run_matmul(x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+    return run_matmul(&Q8, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+}
+
+int q4_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                     int64_t *argmax, int isa, int threads) {
+    return run_matmul(&Q4, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
 }
 
 /* ---- the dot-product peak: registers only, for benchmarks to measure against ---- */

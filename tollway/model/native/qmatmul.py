@@ -1,5 +1,7 @@
-"""The CPU's integer matmul (qmatmul.c): y = x @ W.T with W packed once into int8 blocks of 32
-along K with fp16 scales, and x quantized the same way at every call.
+"""The CPU's integer matmuls (qmatmul.c): y = x @ W.T with W packed once into blocks of 32 along K,
+and x quantized to int8 blocks of 32 at every call. Two weight formats: q8 (int8 with an fp16
+scale) and q4 (4-bit values 0..15 with an fp32 scale and min, w = scale * q - min: 6 bits a
+weight against q8's 8.5), which takes only weights that are exactly that, such as a GGUF's Q4_K.
 
 The instruction set is picked at run time from the CPU's flags: AVX512-VNNI, then 256-bit VNNI
 (AVX-VNNI), then AVX2, then portable C. TOLLWAY_ISA, or the `isa` argument, forces a lower one,
@@ -39,8 +41,11 @@ class Q8Library:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
-        self._matmul = _bind(lib.q8_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
-        self._argmax = _bind(lib.q8_matmul_argmax, i32, p, i64, i64, i64, p, i64, p, i32, i32)
+        self._q4_packed_bytes = _bind(lib.q4_packed_bytes, i64, i64, i64)
+        self._q4_pack = _bind(lib.q4_pack, None, p, p, p, i64, i64, p)
+        self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
+                                _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
+                         for kind in ("q8", "q4")}  # (matmul, argmax) per weight format
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
@@ -53,7 +58,7 @@ class Q8Library:
             raise ValueError(f"instruction set {isa!r} is not available here (this CPU runs: {', '.join(self.supported)})")
         return isa
 
-    def pack(self, weight: torch.Tensor) -> Q8Weight:
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
         """weight: [N, K] on the CPU. ValueError when K is not a multiple of 32, or a block's
         scale would not fit fp16 (|w| past 8e6, or NaN)."""
         n, k = weight.shape
@@ -63,24 +68,50 @@ class Q8Library:
         data = torch.empty(self._packed_bytes(n, k), dtype=torch.uint8)
         if self._pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads()):
             raise ValueError("weights beyond the range of fp16 block scales (or NaN)")
-        return Q8Weight(self, data, n, k)
+        return PackedWeight(self, "q8", data, n, k)
 
-    def matmul(self, x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+    def pack_q4(self, weight: torch.Tensor) -> PackedWeight | None:
+        """weight: [N, K] as q4 when every block of 32 is exactly 4-bit, w = scale * q - min in
+        float32 bit for bit (as GGUF's Q4_K dequantizes), else None: q4 never changes a weight.
+        ValueError when K is not a multiple of 32."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+        q = torch.empty(n, k, dtype=torch.uint8)
+        scale, min = torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
+        rows = max(1, 2**16 // k)  # small temporaries, and an early exit for weights that are not 4-bit
+        for r in range(0, n, rows):
+            fit = _exact_q4(weight[r:r + rows].float().reshape(-1, k // BLOCK, BLOCK))
+            if fit is None:
+                return None
+            q[r:r + rows], scale[r:r + rows], min[r:r + rows] = fit[0].view(-1, k), fit[1], fit[2]
+        return self.pack_q4_blocks(q, scale, min)
+
+    def pack_q4_blocks(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> PackedWeight:
+        """q4 from its parts, w = scale * q - min: q [N, K] uint8 in 0..15, scale and min [N, K / 32] float32."""
+        n, k = q.shape
+        q, scale, min = q.contiguous(), scale.float().contiguous(), min.float().contiguous()
+        data = torch.empty(self._q4_packed_bytes(n, k), dtype=torch.uint8)
+        self._q4_pack(q.data_ptr(), scale.data_ptr(), min.data_ptr(), n, k, data.data_ptr())
+        return PackedWeight(self, "q4", data, n, k)
+
+    def matmul(self, x: torch.Tensor, weight: PackedWeight, isa: str | None = None) -> torch.Tensor:
         """x: [M, K] float32 (rows may be strided) -> [M, N] float32."""
         x = _rows(x)
         y = torch.empty(x.shape[0], weight.out_features)
-        self._check(self._matmul(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
-                                 weight.out_features, y.data_ptr(), y.stride(0), self._isa_index(isa),
-                                 torch.get_num_threads()))
+        matmul, _ = self._kernels[weight.kind]
+        self._check(matmul(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                           weight.out_features, y.data_ptr(), y.stride(0), self._isa_index(isa), torch.get_num_threads()))
         return y
 
-    def argmax(self, x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+    def argmax(self, x: torch.Tensor, weight: PackedWeight, isa: str | None = None) -> torch.Tensor:
         """The column of each row's largest output of matmul(x, weight), the first on ties, without
         writing the outputs: [M] int64."""
         x = _rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._check(self._argmax(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
-                                 weight.out_features, out.data_ptr(), self._isa_index(isa), torch.get_num_threads()))
+        _, argmax = self._kernels[weight.kind]
+        self._check(argmax(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                           weight.out_features, out.data_ptr(), self._isa_index(isa), torch.get_num_threads()))
         return out
 
     def _isa_index(self, isa: str | None) -> int:
@@ -100,11 +131,11 @@ class Q8Library:
         return per_thread * threads / (time.perf_counter() - start)
 
 
-class Q8Weight:
-    """One packed weight matrix (see qmatmul.c for the layout)."""
+class PackedWeight:
+    """One weight matrix packed as `kind`, "q8" or "q4" (see qmatmul.c for the layouts)."""
 
-    def __init__(self, library: Q8Library, data: torch.Tensor, out_features: int, in_features: int):
-        self.library, self.data = library, data
+    def __init__(self, library: Q8Library, kind: str, data: torch.Tensor, out_features: int, in_features: int):
+        self.library, self.kind, self.data = library, kind, data
         self.out_features, self.in_features = out_features, in_features
 
     def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
@@ -112,6 +143,30 @@ class Q8Weight:
 
     def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.argmax(x, self, isa)
+
+
+def _exact_q4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q, scale, min) with float32(float32(scale * q) - min) == blocks, or None. min is minus a
+    block's smallest value (its q is 0); scale = (largest + min) / top, where the largest value's
+    q, top, is 15 in nearly every block of a Q4_K weight, and lower ones are tried after."""
+    if not torch.isfinite(blocks).all():
+        return None
+    min = -blocks.amin(-1)
+    span = blocks.amax(-1) + min
+    q = torch.zeros(blocks.shape, dtype=torch.uint8)
+    scale = torch.zeros_like(min)
+    todo = span > 0  # constant blocks are all q = 0
+    for top in range(15, 0, -1):
+        if not todo.any():
+            break
+        step = span[todo] / top
+        tried = torch.round((blocks[todo] + min[todo].unsqueeze(-1)) / step.unsqueeze(-1)).clamp(0, 15)
+        exact = ((step.unsqueeze(-1) * tried - min[todo].unsqueeze(-1)) == blocks[todo]).all(-1)
+        where = todo.nonzero(as_tuple=True)
+        solved = tuple(i[exact] for i in where)
+        q[solved], scale[solved] = tried[exact].to(torch.uint8), step[exact]
+        todo[solved] = False
+    return None if todo.any() else (q, scale, min)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -126,9 +181,9 @@ def _bind(fn, restype, *argtypes):
 @functools.lru_cache(maxsize=None)
 def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
     """The integer matmul built for this machine, once per process; None without a working C
-    compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 kernel then runs on torch."""
+    compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 and q4 kernels then run on torch."""
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
     lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS,
-                           fallback="torch fp32 for the q8 kernel")
+                           fallback="torch fp32 for the q8 and q4 kernels")
     return Q8Library(ctypes.CDLL(str(lib))) if lib else None
