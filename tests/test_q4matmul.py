@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tollway.model.layers import Linear
-from tollway.model.native.qmatmul import ISAS, Q8Library, _exact_q4, q8_library
+from tollway.model.native.qmatmul import ISAS, Q8Library, q8_library
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
@@ -120,12 +120,11 @@ def _q4_k_blocks(rows: int, k: int, seed: int) -> np.ndarray:
 
 def test_q4_k_weights_repack_losslessly(library):
     w = torch.from_numpy(dequantize(_q4_k_blocks(48, 512, seed=3), GGMLQuantizationType.Q4_K).copy())
-    parts = _exact_q4(w.view(48, -1, 32))
+    parts = library.fit_q4(w)
     assert parts is not None
-    q, scale, min = parts
-    assert torch.equal(_dequantized(q.view(48, 512), scale, min), w)  # bit for bit
+    assert torch.equal(_dequantized(*parts), w)  # bit for bit
     x = torch.randn(5, 512)
-    ref, size = _model(x, q.view(48, 512), scale, min)
+    ref, size = _model(x, *parts)
     assert ((library.pack_q4(w)(x).double() - ref).abs() <= 1e-6 * size + 1e-30).all()
 
 
@@ -145,6 +144,11 @@ def test_weights_that_are_not_4bit_stay_on_q8_and_without_the_library_on_fp32(li
     g = torch.Generator().manual_seed(4)
     w, bias, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(3, 64, generator=g)
     assert library.pack_q4(w) is None
+    _, scale, min = _q4_parts(40, 64)
+    for bad in (float("nan"), float("inf")):
+        exact = _dequantized(torch.zeros(40, 64, dtype=torch.uint8), scale, min)
+        exact[5, 9] = bad
+        assert library.fit_q4(exact) is None
     mixed = Linear(w, bias, {"q4"}, torch.device("cpu"), q8=library)
     assert mixed.q4 is None and torch.equal(mixed(x, "q4"), library.pack(w)(x) + bias)
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -275,6 +275,43 @@ int64_t q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads)
     return atomic_load(&j.overflows);
 }
 
+/* w: [n, k] float32 as q4's parts, q [n, k] and scale, min [n, k / 32], with scale * q - min == w in
+   float32 for every value; or -1 at the first block of 32 that is not so (or not finite). min is
+   minus the block's smallest value (its q is 0), scale = (largest + min) / top, where the largest
+   value's q, top, is 15 in nearly every block of a Q4_K weight; lower tops are tried after. */
+int q4_fit(const float *w, int64_t n, int64_t k, uint8_t *q, float *scale, float *min) {
+    int64_t nb = k / QBLOCK;
+    for (int64_t row = 0; row < n; row++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = w + row * k + b * QBLOCK;
+            uint8_t *dst = q + row * k + b * QBLOCK;
+            float lo = src[0], hi = src[0];
+            for (int i = 0; i < QBLOCK; i++) {
+                if (!isfinite(src[i])) return -1;
+                lo = src[i] < lo ? src[i] : lo;
+                hi = src[i] > hi ? src[i] : hi;
+            }
+            float m = -lo, span = hi + m, step = 0.0f;
+            memset(dst, 0, QBLOCK);  /* a constant block: q = 0 */
+            for (int top = 15; top > 0 && span > 0.0f && step == 0.0f; top--) {
+                float tried = span / (float)top;
+                int i = 0;
+                for (; i < QBLOCK; i++) {
+                    float v = round_even((src[i] + m) / tried);
+                    v = v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v;
+                    if (tried * v - m != src[i]) break;
+                    dst[i] = (uint8_t)v;
+                }
+                if (i == QBLOCK) step = tried;
+            }
+            if (span > 0.0f && step == 0.0f) return -1;
+            scale[row * nb + b] = step;
+            min[row * nb + b] = m;
+        }
+    }
+    return 0;
+}
+
 /* q: [n, k] values 0..15, scale and min: [n, k / 32]; out: q4_packed_bytes(n, k) bytes. */
 void q4_pack(const uint8_t *q, const float *scale, const float *min, int64_t n, int64_t k, uint8_t *out) {
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;

@@ -42,6 +42,7 @@ class Q8Library:
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
         self._q4_packed_bytes = _bind(lib.q4_packed_bytes, i64, i64, i64)
+        self._q4_fit = _bind(lib.q4_fit, i32, p, i64, i64, p, p, p)
         self._q4_pack = _bind(lib.q4_pack, None, p, p, p, i64, i64, p)
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
@@ -71,21 +72,23 @@ class Q8Library:
         return PackedWeight(self, "q8", data, n, k)
 
     def pack_q4(self, weight: torch.Tensor) -> PackedWeight | None:
-        """weight: [N, K] as q4 when every block of 32 is exactly 4-bit, w = scale * q - min in
-        float32 bit for bit (as GGUF's Q4_K dequantizes), else None: q4 never changes a weight.
-        ValueError when K is not a multiple of 32."""
+        """weight: [N, K] as q4 when every block of 32 is exactly 4-bit (see fit_q4), else None:
+        q4 never changes a weight. ValueError when K is not a multiple of 32."""
+        parts = self.fit_q4(weight)
+        return self.pack_q4_blocks(*parts) if parts is not None else None
+
+    def fit_q4(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q, scale, min) with float32(float32(scale * q) - min) == weight per block of 32, as GGUF's
+        Q4_K dequantizes, or None when a block is not 4-bit (or not finite)."""
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+        w = weight.float().contiguous()
         q = torch.empty(n, k, dtype=torch.uint8)
         scale, min = torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
-        rows = max(1, 2**16 // k)  # small temporaries, and an early exit for weights that are not 4-bit
-        for r in range(0, n, rows):
-            fit = _exact_q4(weight[r:r + rows].float().reshape(-1, k // BLOCK, BLOCK))
-            if fit is None:
-                return None
-            q[r:r + rows], scale[r:r + rows], min[r:r + rows] = fit[0].view(-1, k), fit[1], fit[2]
-        return self.pack_q4_blocks(q, scale, min)
+        if self._q4_fit(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), min.data_ptr()):
+            return None
+        return q, scale, min
 
     def pack_q4_blocks(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> PackedWeight:
         """q4 from its parts, w = scale * q - min: q [N, K] uint8 in 0..15, scale and min [N, K / 32] float32."""
@@ -143,30 +146,6 @@ class PackedWeight:
 
     def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.argmax(x, self, isa)
-
-
-def _exact_q4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q, scale, min) with float32(float32(scale * q) - min) == blocks, or None. min is minus a
-    block's smallest value (its q is 0); scale = (largest + min) / top, where the largest value's
-    q, top, is 15 in nearly every block of a Q4_K weight, and lower ones are tried after."""
-    if not torch.isfinite(blocks).all():
-        return None
-    min = -blocks.amin(-1)
-    span = blocks.amax(-1) + min
-    q = torch.zeros(blocks.shape, dtype=torch.uint8)
-    scale = torch.zeros_like(min)
-    todo = span > 0  # constant blocks are all q = 0
-    for top in range(15, 0, -1):
-        if not todo.any():
-            break
-        step = span[todo] / top
-        tried = torch.round((blocks[todo] + min[todo].unsqueeze(-1)) / step.unsqueeze(-1)).clamp(0, 15)
-        exact = ((step.unsqueeze(-1) * tried - min[todo].unsqueeze(-1)) == blocks[todo]).all(-1)
-        where = todo.nonzero(as_tuple=True)
-        solved = tuple(i[exact] for i in where)
-        q[solved], scale[solved] = tried[exact].to(torch.uint8), step[exact]
-        todo[solved] = False
-    return None if todo.any() else (q, scale, min)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
