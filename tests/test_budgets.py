@@ -5,9 +5,11 @@ delivery with retry to a real local receiver."""
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import random
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -199,11 +201,16 @@ def test_two_servers_spending_at_once_never_pass_the_cap(store_target):
 def test_webhook_retries_until_delivered():
     receiver = Receiver(failures=2)
     try:
-        webhook = Webhook(receiver.url, attempts=4, backoff=0.01)
-        webhook.send({"hello": 1})
-        assert receiver.wait_for(1) == [{"hello": 1}]
-        assert receiver.attempts == 3
-        webhook.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            webhook = Webhook(receiver.url, attempts=4, backoff=0.01)
+            webhook.send({"hello": 1})
+            assert receiver.wait_for(1) == [{"hello": 1}]
+            assert receiver.attempts == 3
+            webhook.close()
+            gc.collect()
+        # The refused attempts' connections were closed, not left to the garbage collector.
+        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
     finally:
         receiver.close()
 

@@ -40,6 +40,9 @@ class Webhook:
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout):
                     return  # any 2xx; urlopen raises on the rest
+            except urllib.error.HTTPError as e:  # a non-2xx answer: it holds the connection open
+                e.close()
+                problem = e
             except (urllib.error.URLError, OSError) as e:
                 problem = e
             if attempt + 1 < self.attempts:
