@@ -121,6 +121,16 @@ def tiny_gguf(tiny_hf_models, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def native_library(tmp_path_factory):
+    """The native matmul kernels, compiled once per test session into a fresh cache."""
+    from tollway.model.native.qmatmul import q8_library
+
+    library = q8_library(tmp_path_factory.mktemp("native-cache"))
+    assert library is not None
+    return library
+
+
+@pytest.fixture(scope="session")
 def make_engine(default_weights):
     """Build an Engine on the already-loaded default model: make_engine(kernel="fp32", num_blocks=64, ...)."""
     from tollway.config import EngineConfig, SchedulerConfig

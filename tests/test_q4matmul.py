@@ -13,19 +13,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tollway.model.layers import Linear
-from tollway.model.native.qmatmul import ISAS, Q8Library, q8_library
+from tollway.model.native.qmatmul import ISAS
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 # (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial tile.
 SHAPES = [(1, 640, 17), (3, 2048, 40), (17, 2048, 640), (64, 640, 300), (9, 32, 16), (11, 96, 33)]
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Q8Library:
-    lib = q8_library(tmp_path_factory.mktemp("cache"))
-    assert lib is not None
-    return lib
 
 
 def _q4_parts(n: int, k: int, seed: int = 0):
@@ -69,11 +62,11 @@ def _model(x: torch.Tensor, q, scale, min) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_every_path_matches_the_float64_model(library, isa, m, k, n):
-    if isa not in library.supported:
+def test_every_path_matches_the_float64_model(native_library, isa, m, k, n):
+    if isa not in native_library.supported:
         pytest.skip(f"this CPU does not run {isa}")
     x, w, parts = _inputs(m, k, n)
-    packed = library.pack_q4(w)
+    packed = native_library.pack_q4(w)
     assert packed is not None and packed.kind == "q4"
     y = packed(x, isa)
     ref, size = _model(x, *parts)
@@ -82,17 +75,17 @@ def test_every_path_matches_the_float64_model(library, isa, m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_all_paths_give_the_same_bits(library, m, k, n):
+def test_all_paths_give_the_same_bits(native_library, m, k, n):
     x, w, _ = _inputs(m, k, n, seed=1)
-    packed = library.pack_q4(w)
-    results = {isa: packed(x, isa) for isa in library.supported}
+    packed = native_library.pack_q4(w)
+    results = {isa: packed(x, isa) for isa in native_library.supported}
     for isa, y in results.items():
         assert torch.equal(y, results["portable"]), isa
 
 
-def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(library):
+def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_library):
     x, w, _ = _inputs(64, 640, 1000, seed=2)
-    packed = library.pack_q4(w)
+    packed = native_library.pack_q4(w)
     batch = packed(x)
     for i in (0, 5, 63):
         assert torch.equal(packed(x[i:i + 1]), batch[i:i + 1])
@@ -118,58 +111,58 @@ def _q4_k_blocks(rows: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def test_q4_k_weights_repack_losslessly(library):
+def test_q4_k_weights_repack_losslessly(native_library):
     w = torch.from_numpy(dequantize(_q4_k_blocks(48, 512, seed=3), GGMLQuantizationType.Q4_K).copy())
-    parts = library.fit_q4(w)
+    parts = native_library.fit_q4(w)
     assert parts is not None
     assert torch.equal(_dequantized(*parts), w)  # bit for bit
     x = torch.randn(5, 512)
     ref, size = _model(x, *parts)
-    assert ((library.pack_q4(w)(x).double() - ref).abs() <= 1e-6 * size + 1e-30).all()
+    assert ((native_library.pack_q4(w)(x).double() - ref).abs() <= 1e-6 * size + 1e-30).all()
 
 
-def test_the_default_models_q4_k_tensors_run_on_q4_and_the_rest_on_q8(library, default_weights):
+def test_the_default_models_q4_k_tensors_run_on_q4_and_the_rest_on_q8(native_library, default_weights):
     t = default_weights.tensors
     q4_k = t["model.layers.0.self_attn.o_proj.weight"]  # Q4_K in the default GGUF
     q5_0 = t["model.layers.0.self_attn.q_proj.weight"]
-    on_q4 = Linear(q4_k, None, {"q4"}, torch.device("cpu"), q8=library)
+    on_q4 = Linear(q4_k, None, {"q4"}, torch.device("cpu"), q8=native_library)
     assert on_q4.q4 is not None and on_q4.q8 is None and on_q4.fp32 is None
-    on_q8 = Linear(q5_0, None, {"q4"}, torch.device("cpu"), q8=library)
+    on_q8 = Linear(q5_0, None, {"q4"}, torch.device("cpu"), q8=native_library)
     assert on_q8.q4 is None and on_q8.q8 is not None
     x = torch.randn(3, 640)
-    assert torch.equal(on_q8(x, "q4"), library.pack(q5_0)(x))
+    assert torch.equal(on_q8(x, "q4"), native_library.pack(q5_0)(x))
 
 
-def test_weights_that_are_not_4bit_stay_on_q8_and_without_the_library_on_fp32(library):
+def test_weights_that_are_not_4bit_stay_on_q8_and_without_the_library_on_fp32(native_library):
     g = torch.Generator().manual_seed(4)
     w, bias, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(3, 64, generator=g)
-    assert library.pack_q4(w) is None
+    assert native_library.pack_q4(w) is None
     _, scale, min = _q4_parts(40, 64)
     for bad in (float("nan"), float("inf")):
         exact = _dequantized(torch.zeros(40, 64, dtype=torch.uint8), scale, min)
         exact[5, 9] = bad
-        assert library.fit_q4(exact) is None
-    mixed = Linear(w, bias, {"q4"}, torch.device("cpu"), q8=library)
-    assert mixed.q4 is None and torch.equal(mixed(x, "q4"), library.pack(w)(x) + bias)
+        assert native_library.fit_q4(exact) is None
+    mixed = Linear(w, bias, {"q4"}, torch.device("cpu"), q8=native_library)
+    assert mixed.q4 is None and torch.equal(mixed(x, "q4"), native_library.pack(w)(x) + bias)
     with pytest.raises(ValueError, match="multiple of 32"):
-        library.pack_q4(w[:, :40])
+        native_library.pack_q4(w[:, :40])
     on_torch = Linear(w, bias, {"q4"}, torch.device("cpu"))
     assert torch.equal(on_torch(x, "q4"), Linear(w, bias, {"fp32"}, torch.device("cpu"))(x, "fp32"))
 
 
 @pytest.mark.parametrize("m", [1, 17])
-def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(library, m):
+def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(native_library, m):
     x, w, _ = _inputs(m, 640, 5000, seed=5)
     w[4000] = w[17] = w[4999] = w[3000]  # identical rows give tied outputs
     x[0] = w[3000] * 10
-    packed = library.pack_q4(w)
+    packed = native_library.pack_q4(w)
     expected = packed(x).argmax(dim=1)
     assert int(expected[0]) == 17
     threads = torch.get_num_threads()
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
-            for isa in library.supported:
+            for isa in native_library.supported:
                 assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
     finally:
         torch.set_num_threads(threads)

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc
 SHAPES = [(1, 640, 17), (3, 640, 1024), (17, 2048, 640), (64, 640, 300), (9, 32, 16), (11, 96, 33)]
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Q8Library:
-    lib = q8_library(tmp_path_factory.mktemp("cache"))
-    assert lib is not None
-    return lib
-
-
 def _quantized(t: torch.Tensor, half_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """What qmatmul.c makes of t's rows: int values and a scale per block of 32 (fp16 for
     weights, fp32 for activations)."""
@@ -58,11 +51,11 @@ def _inputs(m, k, n, seed=0):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_every_path_matches_the_quantized_reference(library, isa, m, k, n):
-    if isa not in library.supported:
+def test_every_path_matches_the_quantized_reference(native_library, isa, m, k, n):
+    if isa not in native_library.supported:
         pytest.skip(f"this CPU does not run {isa}")
     x, w = _inputs(m, k, n)
-    y = library.pack(w)(x, isa)
+    y = native_library.pack(w)(x, isa)
     ref = _reference(x, w)
     assert y.shape == (m, n)
     # Only the float sum over K / 32 blocks rounds: float32 accuracy, relative to the row's scale.
@@ -73,18 +66,18 @@ def test_every_path_matches_the_quantized_reference(library, isa, m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_all_paths_give_the_same_bits(library, m, k, n):
+def test_all_paths_give_the_same_bits(native_library, m, k, n):
     x, w = _inputs(m, k, n, seed=1)
-    packed = library.pack(w)
-    results = {isa: packed(x, isa) for isa in library.supported}
+    packed = native_library.pack(w)
+    results = {isa: packed(x, isa) for isa in native_library.supported}
     assert len(results) >= 2  # at least portable and the one compiled for this machine's best
     for isa, y in results.items():
         assert torch.equal(y, results["portable"]), isa
 
 
-def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(library):
+def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_library):
     x, w = _inputs(64, 640, 1000, seed=2)
-    packed = library.pack(w)
+    packed = native_library.pack(w)
     batch = packed(x)
     for i in (0, 5, 63):
         assert torch.equal(packed(x[i:i + 1]), batch[i:i + 1])
@@ -99,42 +92,42 @@ def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(library):
         torch.set_num_threads(threads)
 
 
-def test_strided_rows_are_read_in_place(library):
+def test_strided_rows_are_read_in_place(native_library):
     x, w = _inputs(6, 640, 48, seed=3)
     wide = torch.cat([x, torch.randn(6, 64)], dim=1)[:, :640]  # row stride 704
-    packed = library.pack(w)
+    packed = native_library.pack(w)
     assert torch.equal(packed(wide), packed(x))
 
 
-def test_a_lower_path_is_forced_by_env_or_argument(library, monkeypatch):
+def test_a_lower_path_is_forced_by_env_or_argument(native_library, monkeypatch):
     x, w = _inputs(4, 64, 32)
     monkeypatch.setenv("TOLLWAY_ISA", "portable")
-    forced = Q8Library(library._lib)
-    assert forced.isa == "portable" and library.isa == library.supported[-1]
-    assert torch.equal(forced.pack(w)(x), library.pack(w)(x, "portable"))
+    forced = Q8Library(native_library._lib)
+    assert forced.isa == "portable" and native_library.isa == native_library.supported[-1]
+    assert torch.equal(forced.pack(w)(x), native_library.pack(w)(x, "portable"))
     monkeypatch.setenv("TOLLWAY_ISA", "sse9")
     with pytest.raises(ValueError, match="sse9"):
-        Q8Library(library._lib)
+        Q8Library(native_library._lib)
     with pytest.raises(ValueError, match="sse9"):
-        library.pack(w)(x, "sse9")
+        native_library.pack(w)(x, "sse9")
 
 
-def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(library, caplog):
+def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(native_library, caplog):
     g = torch.Generator().manual_seed(4)
     w, bias, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(3, 64, generator=g)
-    native = Linear(w, bias, {"q8"}, torch.device("cpu"), q8=library)
+    native = Linear(w, bias, {"q8"}, torch.device("cpu"), q8=native_library)
     assert native.q8 is not None and native.fp32 is None
-    assert torch.equal(native(x, "q8"), library.pack(w)(x) + bias)
+    assert torch.equal(native(x, "q8"), native_library.pack(w)(x) + bias)
     with caplog.at_level(logging.WARNING):
-        odd = Linear(w[:, :40], None, {"q8"}, torch.device("cpu"), q8=library)
+        odd = Linear(w[:, :40], None, {"q8"}, torch.device("cpu"), q8=native_library)
     assert odd.q8 is None and "not a multiple of 32" in caplog.text
     assert torch.equal(odd(x[:, :40], "q8"), Linear(w[:, :40], None, {"fp32"}, torch.device("cpu"))(x[:, :40], "fp32"))
     with pytest.raises(ValueError, match="multiple of 32"):
-        library.pack(w[:, :40])
+        native_library.pack(w[:, :40])
     huge = w.clone()
     huge[3, 7] = 1e7  # its block's scale would pass fp16's largest
     with caplog.at_level(logging.WARNING):
-        beyond = Linear(huge, None, {"q8"}, torch.device("cpu"), q8=library)
+        beyond = Linear(huge, None, {"q8"}, torch.device("cpu"), q8=native_library)
     assert beyond.q8 is None and "fp16" in caplog.text
     assert torch.equal(beyond(x, "q8"), Linear(huge, None, {"fp32"}, torch.device("cpu"))(x, "fp32"))
 
@@ -150,18 +143,18 @@ def test_without_a_compiler_q8_runs_on_torch(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(library, m):
+def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(native_library, m):
     x, w = _inputs(m, 640, 5000, seed=5)
     w[4000] = w[17] = w[4999] = w[3000] * 1.0  # identical rows give tied outputs
     x[0] = w[3000] * 10  # row 0's largest output is then that four-way tie
-    packed = library.pack(w)
+    packed = native_library.pack(w)
     expected = packed(x).argmax(dim=1)
     assert int(expected[0]) == 17
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)  # ties across the threads' column ranges too
-            for isa in library.supported:
+            for isa in native_library.supported:
                 assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
     finally:
         torch.set_num_threads(threads)
