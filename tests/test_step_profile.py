@@ -1,7 +1,8 @@
 """The runner profile that seeds the step-time model, and the model it gives on the real engine."""
 from __future__ import annotations
 
-from tollway.config import SchedulerConfig
+from tollway.config import EngineConfig, SchedulerConfig
+from tollway.engine import Engine
 from tollway.model.step_profile import profile_key, profile_plans, samples_from_json, samples_to_json
 from tollway.request import SamplingParams
 from tollway.scheduler.step_model import StepShape
@@ -36,10 +37,13 @@ def test_samples_survive_json():
     assert samples_from_json(samples_to_json(samples)) == samples
 
 
-def test_engine_step_model_comes_from_the_runner_and_learns_online(make_engine, run_to_completion):
+def test_engine_step_model_comes_from_the_runner_and_learns_online(default_weights, run_to_completion, tmp_path):
     # The default CPU kernel: torch's int8 kernel swings 2-3x with machine load, too much to
-    # tell a wrong model from a busy machine.
-    engine = make_engine(profile_steps=True, kernel="q8", max_num_seqs=8, max_num_batched_tokens=64)
+    # tell a wrong model from a busy machine. A fresh cache: a profile remembered from an
+    # earlier run timed that run's machine load, not this one's.
+    config = EngineConfig(scheduler=SchedulerConfig(kernel="q8", max_num_seqs=8, max_num_batched_tokens=64),
+                          profile_steps=True, cache_dir=str(tmp_path))
+    engine = Engine(config, progress=False, loaded=default_weights)
     model = engine.step_model
     assert model is engine.scheduler.step_model
     coeffs = model.coefficients["q8"]
