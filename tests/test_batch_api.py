@@ -39,7 +39,8 @@ def _wait(client: openai.OpenAI, batch_id: str, until: tuple[str, ...], timeout:
 
 @pytest.fixture(scope="module")
 def client(server):  # noqa: F811
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused") as client:
+        yield client
 
 
 def test_a_batch_runs_in_the_batch_lane_from_upload_to_output(client):
@@ -121,8 +122,8 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
 
     n = 24
     proc = start()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         # Lengths differ, so lines finish one after another and the kill lands mid-batch.
         lines = [_chat_line(i, max_tokens=4 + 4 * i) for i in range(n)]
         uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
@@ -141,5 +142,6 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
         assert sorted(ids) == sorted(f"req-{i}" for i in range(n)) and len(ids) == len(set(ids)) == n
         assert done.request_counts.completed == n and done.request_counts.failed == 0
     finally:
+        client.close()  # its connection to the killed server too
         proc.kill()
         proc.wait(10)

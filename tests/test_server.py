@@ -24,7 +24,8 @@ def server(make_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused") as client:
+        yield client
 
 
 def _direct(server, prompt, **params):
@@ -225,8 +226,8 @@ def test_keys_are_required_and_checked(keyed_server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(keyed_server["url"] + "/v1/models").status_code == 401
     assert httpx.get(keyed_server["url"] + "/health").status_code == 200  # liveness needs no key
-    ok = openai.OpenAI(base_url=keyed_server["url"] + "/v1", api_key="sk-all")
-    assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    with openai.OpenAI(base_url=keyed_server["url"] + "/v1", api_key="sk-all") as ok:
+        assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_tiers_a_key_is_not_entitled_to_are_refused_except_auto(keyed_server):
