@@ -122,8 +122,6 @@ def test_attention_matches_torch(native, window, softcap):
     results = []
     for ops in (native, TorchRowOps()):
         meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), ops.needs_views)
-        if ops is native:
-            assert meta.splits[kind] > 0  # the long prefill runs on two threads
         own = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[2], torch.float32, torch.device("cpu"))
         own.k.copy_(cache.k), own.v.copy_(cache.v)
         results.append((ops.attention(qk, v, heads, own, meta, kind, window, 0.25, softcap), own))
@@ -146,3 +144,19 @@ def test_attention_of_a_token_does_not_depend_on_its_batch(native):
     tail = native.attention(qk[last:], v[last:], heads, cache, step_metadata([tail_seq], positions[last:], slots[last:],
                                                                            bs, 24, device, False), "sliding", 24, 0.25, None)
     assert torch.equal(full[last:], tail)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_attention_split_over_threads_equals_one_thread(native, window):
+    """The step has 5,000-odd (token, key) pairs: past the split threshold, so two threads share it."""
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window)
+    kind = "sliding" if window else "full"
+    meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), False)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(native.attention(qk, v, heads, cache, meta, kind, window, 0.25, None))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])

@@ -7,9 +7,6 @@ import torch
 from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, PrefillSpan
 from tollway.scheduler.plan import ScheduledSeq
 
-# Attention of a step with at least this many (token, key) pairs runs on two threads (native path).
-PARALLEL_ATTENTION_PAIRS = 4096
-
 
 def step_metadata(seqs: list[ScheduledSeq], positions: list[int], slots: list[int], block_size: int,
                   window: int | None, device: torch.device, needs_views: bool) -> AttentionMetadata:
@@ -24,7 +21,6 @@ def step_metadata(seqs: list[ScheduledSeq], positions: list[int], slots: list[in
         meta.tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs],
                                    dtype=torch.long)
         meta.table_rows = torch.tensor([i for i, s in enumerate(seqs) for _ in range(s.num_new)], dtype=torch.long)
-        meta.splits = {kind: _balanced_split(positions, window if kind == "sliding" else 0) for kind in layer_types}
         return meta
     decodes = [s for s in seqs if s.is_decode]
     meta.num_decode = len(decodes)
@@ -65,17 +61,3 @@ def _views(tables: list[tuple[int, ...]], q_pos: torch.Tensor, block_size: int, 
         views[kind] = AttentionView(slots, bias.unsqueeze(1))
     return views
 
-
-def _balanced_split(positions: list[int], window: int) -> int:
-    """Where to cut the step's tokens so two threads get equal attention work (token i reads
-    min(p + 1, window) keys); 0 when the work is too small to be worth a second thread."""
-    work = [min(p + 1, window) if window else p + 1 for p in positions]
-    total = sum(work)
-    if total < PARALLEL_ATTENTION_PAIRS or len(work) < 2:
-        return 0
-    done = 0
-    for i, w in enumerate(work):
-        done += w
-        if 2 * done >= total:
-            return min(i + 1, len(work) - 1)
-    return 0

@@ -11,7 +11,9 @@ class DecoderModel:
     """A decoder-only LM: `forward` maps a step's tokens to final hidden states,
     `logits` applies the LM head to the rows that sample."""
 
-    layers: list  # each with .attn (qkv_proj, o_proj) and .mlp (gate_up, down)
+    # each with .attn (qkv_proj, o_proj), .mlp (gate_up, down) and .norms: (input, post-attention,
+    # pre-MLP, post-MLP) weights, None where the block has no such norm
+    layers: list
     embed: torch.Tensor
     lm_head: Linear
     ops: TorchRowOps  # norms, attention and the rest between the matmuls
@@ -20,6 +22,15 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, kernel: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
+                   kernel: str) -> torch.Tensor:
+        """x through every layer, in place: in one native call where the row ops have one for
+        this kernel (native_layers.py), else layer by layer."""
+        if not self.ops.run_layers(self.layers, x, caches, meta, kernel):
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, positions, cache, meta, kernel)
+        return x
 
     def logits(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
         out = self.lm_head(hidden, kernel)

@@ -20,6 +20,7 @@ class Gemma3Layer:
                 ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
         self.input_norm, self.post_attn_norm = norm["input_layernorm"], norm["post_attention_layernorm"]
         self.pre_ff_norm, self.post_ff_norm = norm["pre_feedforward_layernorm"], norm["post_feedforward_layernorm"]
+        self.norms = (self.input_norm, self.post_attn_norm, self.pre_ff_norm, self.post_ff_norm)
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, cache, meta, kernel):
@@ -50,6 +51,5 @@ class Gemma3Model(DecoderModel):
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = self.embed[input_ids] * self.embed_scale
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta, kernel)
+        x = self.run_layers(x, positions, caches, meta, kernel)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -201,7 +201,6 @@ class AttentionMetadata:
     block_size: int = 0
     tables: torch.Tensor | None = None  # [S, W] the block tables of the step's sequences
     table_rows: torch.Tensor | None = None  # [T] each token's row in `tables`
-    splits: dict[str, int] = field(default_factory=dict)  # layer type -> first token of the second thread's half (0: one thread)
 
 
 class KVCache:

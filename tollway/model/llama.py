@@ -17,6 +17,7 @@ class LlamaLayer:
         self.mlp = MLP(t, build, f"{p}.mlp", cfg.hidden_act, ops)
         self.input_norm = norm_weight(t[f"{p}.input_layernorm.weight"], 0.0, device)
         self.post_norm = norm_weight(t[f"{p}.post_attention_layernorm.weight"], 0.0, device)
+        self.norms = (self.input_norm, None, self.post_norm, None)  # pre-norm: no norms after attention or MLP
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, cache, meta, kernel):
@@ -41,6 +42,5 @@ class LlamaModel(DecoderModel):
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = self.embed[input_ids]
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta, kernel)
+        x = self.run_layers(x, positions, caches, meta, kernel)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -260,3 +260,195 @@ void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t h
     free(weights);
     free(rows);
 }
+
+/* ---- attention on the matmuls' thread pool ---------------------------------------------- */
+
+/* The pool lives in qmatmul.c (a separate library, compiled for every instruction set); its
+   q8_parallel is passed in, so a step's matmuls and the operations between them share threads. */
+typedef void (*task_fn)(void *ctx, int part, int parts);
+typedef void (*parallel_fn)(int threads, task_fn fn, void *ctx);
+
+/* Attention with at least this many (token, key) pairs is split over the threads. */
+enum { PARALLEL_ATTENTION_PAIRS = 4096 };
+
+typedef struct {
+    const float *q;
+    int64_t q_stride, tokens, heads, kv_heads, d;
+    const float *k_cache, *v_cache;
+    const int64_t *tables;
+    int64_t table_width;
+    const int64_t *table_rows, *positions;
+    int64_t block_size, window;
+    float scale, softcap;
+    float *out;
+} attention_job;
+
+static int64_t keys_read(const attention_job *j, int64_t t) {
+    int64_t p = j->positions[t] + 1;
+    return j->window && j->window < p ? j->window : p;
+}
+
+/* Part p takes the tokens from where the keys read before them reach p / parts of the total,
+   so parts get equal work. A token's result never depends on which part ran it. */
+static void attention_part(void *ctx, int part, int parts) {
+    const attention_job *j = ctx;
+    int64_t total = 0, done = 0, first = -1, last = j->tokens;
+    for (int64_t t = 0; t < j->tokens; t++) total += keys_read(j, t);
+    for (int64_t t = 0; t < j->tokens; t++) {
+        if (first < 0 && done * parts >= total * part) first = t;
+        if (done * parts >= total * (part + 1)) {
+            last = t;
+            break;
+        }
+        done += keys_read(j, t);
+    }
+    if (first < 0 || last <= first) return;
+    paged_attention(j->q + first * j->q_stride, j->q_stride, last - first, j->heads, j->kv_heads, j->d, j->k_cache,
+                    j->v_cache, j->tables, j->table_width, j->table_rows + first, j->positions + first, j->block_size,
+                    j->window, j->scale, j->softcap, j->out + first * j->heads * j->d);
+}
+
+static void run_attention(const attention_job *j, parallel_fn parallel, int threads) {
+    int64_t pairs = 0;
+    for (int64_t t = 0; t < j->tokens; t++) pairs += keys_read(j, t);
+    if (threads > 1 && j->tokens > 1 && pairs >= PARALLEL_ATTENTION_PAIRS)
+        parallel(threads, attention_part, (void *)j);
+    else
+        attention_part((void *)j, 0, 1);
+}
+
+/* paged_attention over `threads` threads of the pool (parallel is qmatmul.c's q8_parallel). */
+void paged_attention_parallel(const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
+                              int64_t d, const float *k_cache, const float *v_cache, const int64_t *tables,
+                              int64_t table_width, const int64_t *table_rows, const int64_t *positions,
+                              int64_t block_size, int64_t window, float scale, float softcap, float *out,
+                              parallel_fn parallel, int32_t threads) {
+    attention_job j = {q, q_stride, tokens, heads, kv_heads, d, k_cache, v_cache, tables, table_width, table_rows,
+                       positions, block_size, window, scale, softcap, out};
+    run_attention(&j, parallel, threads);
+}
+
+/* ---- a step's decoder layers in one call ------------------------------------------------
+   The same operations, in the same order, as the layer classes run one call at a time
+   (gemma3.py, llama.py), so the result is the same to the bit: what goes is the Python and
+   ctypes between them, about 10 calls a layer, which at batch 1 costs more than the
+   operations themselves. The matmuls are qmatmul.c's, passed in as function pointers. */
+
+typedef int (*matmul_fn)(const float *x, int64_t ldx, int64_t m, int64_t k, const void *packed, int64_t n, float *y,
+                         int64_t ldy, int32_t isa, int32_t threads);
+
+typedef struct {
+    matmul_fn matmul;  /* q8_matmul or q4_matmul */
+    const void *packed;
+    const float *bias;  /* [n] or NULL */
+    int64_t n, k;
+} linear;
+
+/* Mirrored by native_layers.py's ctypes structures: keep the two in step. */
+typedef struct {
+    linear qkv, o, gate_up, down;
+    /* Gemma's sandwich: x += post_attn(o); normed = pre_ff(x); x += post_ff(down). A pre-norm
+       (Llama) block has no post norms: x += o; normed = pre_ff(x); x += down. */
+    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm;
+    const float *qk_norm;  /* [heads + kv_heads, d] or NULL */
+    const float *cos, *signed_sin;
+    float *k_cache, *v_cache;
+    int64_t heads, kv_heads, head_dim, width, window;
+    float eps, scale, softcap;
+    int32_t activation;
+} layer;
+
+typedef struct {
+    int64_t tokens, hidden;
+    const int64_t *positions, *slots, *tables, *table_rows;
+    int64_t table_width, block_size;
+    /* scratch, [tokens, ...] each: normed [hidden], qkv [qkv.n], qk [heads + kv_heads, d],
+       attn [heads * d], h [hidden], gate_up [2 * width], act [width] */
+    float *normed, *qkv, *qk, *attn, *h, *gate_up, *act;
+    parallel_fn parallel;
+    int32_t isa, threads;
+} step;
+
+/* Row-wise work is split over the threads from this many rows. */
+enum { PARALLEL_ROWS = 16 };
+
+enum { OP_INPUT_NORM, OP_QK_ROPE_KV, OP_ATTENTION_RESIDUAL, OP_GATED, OP_MLP_RESIDUAL };
+
+typedef struct {
+    int op;
+    const layer *l;
+    const step *s;
+    float *x;
+} rows_job;
+
+static void rows_part(void *ctx, int part, int parts) {
+    const rows_job *j = ctx;
+    const layer *l = j->l;
+    const step *s = j->s;
+    int64_t t0 = s->tokens * part / parts, n = s->tokens * (part + 1) / parts - t0, hidden = s->hidden;
+    int64_t d = l->head_dim, qk_heads = l->heads + l->kv_heads;
+    if (n <= 0) return;
+    switch (j->op) {
+        case OP_INPUT_NORM:
+            rms_norm(j->x + t0 * hidden, hidden, l->input_norm, l->eps, n, hidden, s->normed + t0 * hidden);
+            break;
+        case OP_QK_ROPE_KV: {
+            float *qk = s->qk + t0 * qk_heads * d;
+            const float *qkv = s->qkv + t0 * l->qkv.n;
+            qk_norm_rope(qkv, l->qkv.n, n, qk_heads, d, l->qk_norm, l->eps, l->cos, l->signed_sin, s->positions + t0,
+                         qk);
+            write_kv(qk + l->heads * d, qk_heads * d, qkv + qk_heads * d, l->qkv.n, n, l->kv_heads * d, s->slots + t0,
+                     l->k_cache, l->v_cache);
+            break;
+        }
+        case OP_ATTENTION_RESIDUAL:
+            add_rms_norm(j->x + t0 * hidden, s->h + t0 * hidden, l->post_attn_norm, l->pre_ff_norm, l->eps, n, hidden,
+                         s->normed + t0 * hidden);
+            break;
+        case OP_GATED:
+            gated_act(s->gate_up + t0 * 2 * l->width, n, l->width, l->activation, s->act + t0 * l->width);
+            break;
+        case OP_MLP_RESIDUAL:
+            add_rms_norm(j->x + t0 * hidden, s->h + t0 * hidden, l->post_ff_norm, NULL, l->eps, n, hidden, NULL);
+            break;
+    }
+}
+
+static void run_rows(int op, const layer *l, const step *s, float *x) {
+    rows_job j = {op, l, s, x};
+    if (s->threads > 1 && s->tokens >= PARALLEL_ROWS)
+        s->parallel(s->threads, rows_part, &j);
+    else
+        rows_part(&j, 0, 1);
+}
+
+static int run_linear(const linear *lin, const step *s, const float *x, float *y) {
+    if (lin->matmul(x, lin->k, s->tokens, lin->k, lin->packed, lin->n, y, lin->n, s->isa, s->threads)) return -1;
+    if (lin->bias)
+        for (int64_t t = 0; t < s->tokens; t++)
+            for (int64_t i = 0; i < lin->n; i++) y[t * lin->n + i] += lin->bias[i];
+    return 0;
+}
+
+/* x [tokens, hidden] through `count` layers, in place. Returns 0, or -1 when a matmul failed
+   (its instruction set is not supported here, or memory ran out). */
+int decoder_layers(const layer *layers, int64_t count, const step *s, float *x) {
+    for (int64_t i = 0; i < count; i++) {
+        const layer *l = layers + i;
+        int64_t d = l->head_dim;
+        run_rows(OP_INPUT_NORM, l, s, x);
+        if (run_linear(&l->qkv, s, s->normed, s->qkv)) return -1;
+        run_rows(OP_QK_ROPE_KV, l, s, x);
+        attention_job a = {s->qk, (l->heads + l->kv_heads) * d, s->tokens, l->heads, l->kv_heads, d, l->k_cache,
+                           l->v_cache, s->tables, s->table_width, s->table_rows, s->positions, s->block_size,
+                           l->window, l->scale, l->softcap, s->attn};
+        run_attention(&a, s->parallel, s->threads);
+        if (run_linear(&l->o, s, s->attn, s->h)) return -1;
+        run_rows(OP_ATTENTION_RESIDUAL, l, s, x);
+        if (run_linear(&l->gate_up, s, s->normed, s->gate_up)) return -1;
+        run_rows(OP_GATED, l, s, x);
+        if (run_linear(&l->down, s, s->act, s->h)) return -1;
+        run_rows(OP_MLP_RESIDUAL, l, s, x);
+    }
+    return 0;
+}

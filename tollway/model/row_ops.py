@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,13 +23,14 @@ import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
 from tollway.model.native.build import compiled_library
+from tollway.model.native.qmatmul import Q8Library, q8_library
+from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
 from tollway.model.weights import cache_root
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 # No -ffast-math: linking with it would switch the whole process to flush-to-zero. Without
 # trapping math, loops with float compares can vectorize.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
-ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
 
 class TorchRowOps:
@@ -67,9 +67,11 @@ class TorchRowOps:
         act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
         return act * up
 
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
+    def run_layers(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
+                   kernel: str) -> bool:
+        """x through every layer in one call, in place, where this path has one; False: the
+        caller runs the layers one by one."""
+        return False
 
 
 class NativeRowOps(TorchRowOps):
@@ -77,35 +79,35 @@ class NativeRowOps(TorchRowOps):
 
     needs_views = False  # reads AttentionMetadata's block tables
 
-    def __init__(self, lib: ctypes.CDLL):
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    def __init__(self, lib: ctypes.CDLL, q8: Q8Library):
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
         self._rms_norm = _bind(lib.rms_norm, p, i64, p, f32, i64, i64, p)
         self._add_rms_norm = _bind(lib.add_rms_norm, p, p, p, p, f32, i64, i64, p)
         self._qk_norm_rope = _bind(lib.qk_norm_rope, p, i64, i64, i64, i64, p, f32, p, p, p, p)
         self._gated = _bind(lib.gated_act, p, i64, i64, ctypes.c_int32, p)
         self._write_kv = _bind(lib.write_kv, p, i64, p, i64, i64, i64, p, p, p)
-        self._attention = _bind(lib.paged_attention, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64, i64,
-                                f32, f32, p)
-        # ctypes releases the GIL during a call, so a second thread halves a long attention.
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="tollway-attention")
+        self._attention = _bind(lib.paged_attention_parallel, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64,
+                                i64, f32, f32, p, p, i32)
+        self._parallel = q8.address("q8_parallel")  # the matmuls' thread pool
+        self._layers = NativeLayers(lib, q8)
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.stride(-1) != 1:
             return super().rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._rms_norm(x.data_ptr(), x.stride(0), _ptr(weight), eps, x.shape[0], x.shape[1], out.data_ptr())
+        self._rms_norm(x.data_ptr(), x.stride(0), pointer(weight), eps, x.shape[0], x.shape[1], out.data_ptr())
         return out
 
     def add_rms_norm(self, x, h, h_weight, weight, eps):
         h = h.contiguous()
         normed = torch.empty_like(x) if weight is not None else None
-        self._add_rms_norm(x.data_ptr(), h.data_ptr(), _ptr(h_weight), _ptr(weight), eps, x.shape[0], x.shape[1],
-                           _ptr(normed))
+        self._add_rms_norm(x.data_ptr(), h.data_ptr(), pointer(h_weight), pointer(weight), eps, x.shape[0], x.shape[1],
+                           pointer(normed))
         return normed
 
     def qk_norm_rope(self, qkv, heads, head_dim, weight, eps, rotary, positions):
         out = torch.empty(qkv.shape[0], heads, head_dim)
-        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, _ptr(weight), eps,
+        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, pointer(weight), eps,
                            rotary.cos.data_ptr(), rotary.signed_sin.data_ptr(), positions.data_ptr(), out.data_ptr())
         return out
 
@@ -116,26 +118,19 @@ class NativeRowOps(TorchRowOps):
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * d,
                        meta.slot_mapping.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr())
         out = torch.empty(tokens, heads, d)
-
-        def run(first: int, count: int) -> None:
-            self._attention(qk.data_ptr() + 4 * first * qk.stride(0), qk.stride(0), count, heads, kv_heads, d,
-                            cache.k.data_ptr(), cache.v.data_ptr(), meta.tables.data_ptr(), meta.tables.shape[1],
-                            meta.table_rows.data_ptr() + 8 * first, meta.positions.data_ptr() + 8 * first,
-                            meta.block_size, window, scale, softcap or 0.0, out.data_ptr() + 4 * first * heads * d)
-
-        split = meta.splits.get(layer_type, 0)
-        if split:
-            second = self._helper.submit(run, split, tokens - split)
-            run(0, split)
-            second.result()
-        else:
-            run(0, tokens)
+        self._attention(qk.data_ptr(), qk.stride(0), tokens, heads, kv_heads, d, cache.k.data_ptr(),
+                        cache.v.data_ptr(), meta.tables.data_ptr(), meta.tables.shape[1], meta.table_rows.data_ptr(),
+                        meta.positions.data_ptr(), meta.block_size, window, scale, softcap or 0.0, out.data_ptr(),
+                        self._parallel, torch.get_num_threads())
         return out
 
     def gated(self, gate_up, width, activation):
         out = torch.empty(gate_up.shape[0], width)
         self._gated(gate_up.data_ptr(), gate_up.shape[0], width, ACTIVATIONS[activation], out.data_ptr())
         return out
+
+    def run_layers(self, layers, x, caches, meta, kernel):
+        return self._layers.run(layers, x, caches, meta, kernel)
 
 
 def _bind(fn, *argtypes):
@@ -145,12 +140,12 @@ def _bind(fn, *argtypes):
 
 def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLike | None = None) -> TorchRowOps:
     """The native kernels on a CPU where they compile (set TOLLWAY_NATIVE=0 to turn them off),
-    torch otherwise."""
+    torch otherwise. They run on the integer matmuls' thread pool, so they need that library too."""
     # The attention kernel reads heads in 16-float pieces.
     if device.type != "cpu" or head_dim % 16 or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return TorchRowOps()
-    lib = row_ops_library(cache_root(cache_dir) / "native")
-    return NativeRowOps(ctypes.CDLL(str(lib))) if lib else TorchRowOps()
+    lib, q8 = row_ops_library(cache_root(cache_dir) / "native"), q8_library(cache_dir)
+    return NativeRowOps(ctypes.CDLL(str(lib)), q8) if lib and q8 else TorchRowOps()
 
 
 def row_ops_library(folder: Path) -> Path | None:

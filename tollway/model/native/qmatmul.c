@@ -255,6 +255,9 @@ static void run_parallel(int threads, task_fn fn, void *ctx) {
     pthread_mutex_unlock(&pool.call);
 }
 
+/* run_parallel for other native code (row_ops.c's layer loop): one pool for the whole step. */
+void q8_parallel(int threads, task_fn fn, void *ctx) { run_parallel(threads, fn, ctx); }
+
 /* ---- packing, in parallel over tiles ---- */
 
 typedef struct { const float *w; int64_t n, k; uint8_t *out; atomic_llong overflows; } pack_job;

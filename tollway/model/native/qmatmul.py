@@ -59,6 +59,10 @@ class Q8Library:
             raise ValueError(f"instruction set {isa!r} is not available here (this CPU runs: {', '.join(self.supported)})")
         return isa
 
+    def address(self, name: str) -> int:
+        """Where the library's function `name` is, for native code that calls it."""
+        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """weight: [N, K] on the CPU. ValueError when K is not a multiple of 32, or a block's
         scale would not fit fp16 (|w| past 8e6, or NaN)."""

@@ -1,0 +1,70 @@
+"""All decoder layers in one native call give the same bits as running them layer by layer, on
+every architecture tollway runs, on one thread or several."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tollway.config import SchedulerConfig
+from tollway.model.runner import ModelRunner
+from tollway.model.weights import load_weights
+from tollway.request import SamplingParams
+from tollway.scheduler.plan import ScheduledSeq, StepPlan
+
+pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
+
+
+def _steps(vocab: int):
+    """Two steps: two prefills, then two decodes beside a 120-token prefill, long enough that the
+    row-wise work and attention are split over the threads."""
+    g = torch.Generator().manual_seed(7)
+    ids = {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in (("a", 9), ("b", 20), ("c", 120))}
+    params = SamplingParams(temperature=0, logprobs=5)
+    tables = {"a": tuple(range(0, 8)), "b": tuple(range(8, 16)), "c": tuple(range(16, 48))}
+    first = [ScheduledSeq(r, "standard", tuple(ids[r]), 0, tables[r], True, params) for r in ("a", "b")]
+    second = [ScheduledSeq(r, "standard", (ids[r][-1],), len(ids[r]), tables[r], True, params) for r in ("a", "b")]
+    second.append(ScheduledSeq("c", "standard", tuple(ids["c"]), 0, tables["c"], True, params))
+    return [StepPlan(0, first, "q8"), StepPlan(1, second, "q8")]
+
+
+def _run(loaded, tmp_path, fused: bool, threads: int):
+    runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                         torch.device("cpu"), {"q8"}, cache_dir=str(tmp_path))
+    ops, ran = runner.model.ops, []
+    fused_run = ops.run_layers
+
+    def run_layers(*args):
+        ran.append(fused_run(*args) if fused else False)
+        return ran[-1]
+
+    ops.run_layers = run_layers
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = [runner.execute(plan).tokens for plan in _steps(loaded.config.vocab_size)]
+    finally:
+        torch.set_num_threads(before)
+    assert ran == [fused, fused]  # the fused path really ran (or really did not)
+    return [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()} for step in results]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, tmp_path, name):
+    loaded = load_weights(str(tiny_hf_models[name]), progress=False)
+    want = _run(loaded, tmp_path, fused=False, threads=2)
+    assert _run(loaded, tmp_path, fused=True, threads=2) == want
+    assert _run(loaded, tmp_path, fused=True, threads=1) == want
+
+
+def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, tmp_path):
+    loaded = load_weights(str(tiny_hf_models["llama"]), progress=False)
+    runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                         torch.device("cpu"), {"fp32"}, cache_dir=str(tmp_path))
+    seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
+    calls = []
+    fused_run = runner.model.ops.run_layers
+    runner.model.ops.run_layers = lambda *args: calls.append(fused_run(*args)) or calls[-1]
+    assert len(runner.execute(StepPlan(0, [seq], "fp32")).tokens["a"]) == 1
+    assert calls == [False]

@@ -1,0 +1,114 @@
+"""A step's decoder layers in one native call (row_ops.c's `decoder_layers`) for q8 and q4 steps.
+
+The layer classes (gemma3.py, llama.py) run a layer as about ten calls: norms, matmuls, RoPE,
+attention. At batch 1 the Python and ctypes between those calls cost more than the row-wise
+work itself, so where every matmul of the model has a native weight for the step's kernel,
+the whole loop runs in C: the same operations in the same order, so the same bits. The row-wise
+work and attention run on the matmuls' thread pool (qmatmul.c), split by rows once a step is big
+enough to pay for it.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tollway.model.layers import AttentionMetadata, KVCache, Linear
+from tollway.model.native.qmatmul import ISAS, Q8Library
+
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # row_ops.c's gated_act kinds
+
+_p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("matmul", _p), ("packed", _p), ("bias", _p), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):  # row_ops.c's `layer`
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _p), ("post_attn_norm", _p), ("pre_ff_norm", _p), ("post_ff_norm", _p),
+                ("qk_norm", _p), ("cos", _p), ("signed_sin", _p), ("k_cache", _p), ("v_cache", _p),
+                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("width", _i64), ("window", _i64),
+                ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("activation", _i32)]
+
+
+class _Step(ctypes.Structure):  # row_ops.c's `step`
+    _fields_ = [("tokens", _i64), ("hidden", _i64), ("positions", _p), ("slots", _p), ("tables", _p),
+                ("table_rows", _p), ("table_width", _i64), ("block_size", _i64),
+                ("normed", _p), ("qkv", _p), ("qk", _p), ("attn", _p), ("h", _p), ("gate_up", _p), ("act", _p),
+                ("parallel", _p), ("isa", _i32), ("threads", _i32)]
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class NativeLayers:
+    """Runs every layer of a model in one call per step, per kernel whose weights allow it."""
+
+    def __init__(self, row_ops: ctypes.CDLL, q8: Q8Library):
+        self.q8 = q8
+        self._run = row_ops.decoder_layers
+        self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], ctypes.c_int
+        self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in ("q8", "q4")}
+        self._parallel = q8.address("q8_parallel")
+        # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
+        self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
+
+    def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str) -> bool:
+        """x through every layer, in place; False (nothing done) where this kernel has a layer
+        without native weights, or the step does not carry the block tables."""
+        if meta.tables is None:
+            return False
+        key = (kernel, id(caches))
+        if key not in self._layers:
+            self._layers[key] = (self._describe(layers, caches, kernel), caches)
+        described = self._layers[key][0]
+        if described is None:
+            return False
+        first = layers[0]
+        t, hidden, d = x.shape[0], x.shape[1], first.attn.head_dim
+        qkv_n, width = first.attn.qkv_proj.out_features, first.mlp.width
+        qk_heads = first.attn.heads + first.attn.kv_heads
+        scratch = [torch.empty(t, n) for n in (hidden, qkv_n, qk_heads * d, first.attn.heads * d, hidden, 2 * width,
+                                               width)]
+        step = _Step(t, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
+                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *(s.data_ptr() for s in scratch),
+                     self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
+        if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
+            raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
+        return True
+
+    def _describe(self, layers: list, caches: list[KVCache], kernel: str) -> ctypes.Array | None:
+        first = layers[0]
+        shapes = (first.attn.qkv_proj.out_features, first.mlp.width, first.attn.head_dim)
+        out = (_Layer * len(layers))()
+        for desc, layer, cache in zip(out, layers, caches):
+            attn, mlp = layer.attn, layer.mlp
+            if (attn.qkv_proj.out_features, mlp.width, attn.head_dim) != shapes:
+                return None  # the scratch is sized from the first layer
+            linears = []
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down):
+                linear = self._linear(lin, kernel)
+                if linear is None:
+                    return None
+                linears.append(linear)
+            desc.qkv, desc.o, desc.gate_up, desc.down = linears
+            (desc.input_norm, desc.post_attn_norm, desc.pre_ff_norm,
+             desc.post_ff_norm) = (pointer(n) for n in layer.norms)
+            desc.qk_norm = pointer(attn.qk_norm)
+            desc.cos, desc.signed_sin = attn.rotary.cos.data_ptr(), attn.rotary.signed_sin.data_ptr()
+            desc.k_cache, desc.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+            desc.heads, desc.kv_heads, desc.head_dim = attn.heads, attn.kv_heads, attn.head_dim
+            desc.width, desc.window = mlp.width, attn.window
+            desc.eps, desc.scale, desc.softcap = attn.eps, attn.scale, attn.softcap or 0.0
+            desc.activation = ACTIVATIONS[mlp.activation]
+        return out
+
+    def _linear(self, lin: Linear, kernel: str) -> _Linear | None:
+        packed = lin.packed(kernel)
+        if packed is None:
+            return None
+        return _Linear(self._matmul[packed.kind], packed.data.data_ptr(), pointer(lin.bias), packed.out_features,
+                       packed.in_features)
