@@ -1,13 +1,25 @@
-"""Keep freed heap memory in the process instead of returning it to the OS.
+"""Host memory for the CPU engine: freed heap kept in the process, and huge pages for what
+every step streams through.
 
 glibc serves large allocations with mmap and unmaps them on free, so every step's
 fresh activations (a [64, 262144] logits tensor, gathered KV) page-fault in again.
 Measured on the 2-core CI machine: gathering 6.8 MB of KV blocks took 3.6 ms with
 the default settings and 0.66 ms with these.
+
+A decode step reads every packed weight (285 MB for the default model) and its sequences'
+KV: in 4 KiB pages that is some 70,000 TLB misses a step. Linux backs memory advised with
+MADV_HUGEPAGE by 2 MiB pages where it can (the default THP mode is "madvise"). Measured on a
+2-core EPYC: the 18 layers' matmuls at batch 1 went from 6.2 to 5.1 ms and the LM head's
+from 7.6 to 6.8 ms.
 """
 from __future__ import annotations
 
 import ctypes
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -25,3 +37,36 @@ def keep_freed_memory() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     except (OSError, AttributeError):  # not glibc: nothing to tune
         pass
+
+
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of `nbytes` in a fresh anonymous mapping advised for huge
+    pages, starting on a 2 MiB boundary. Its pages are faulted in at first touch; the tensor
+    keeps the mapping alive."""
+    # Private: a shared anonymous mapping is shmem, which THP leaves alone by default.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only; elsewhere plain pages
+    if advice is not None:
+        mapping.madvise(advice)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+class HugePageArena:
+    """Packed weights carved one after another out of huge-page mappings of at least `chunk`
+    bytes: a layer's weights are each a few MB, too small to fill huge pages of their own."""
+
+    def __init__(self, chunk: int = 64 << 20):
+        self.chunk = chunk
+        self._free = torch.empty(0, dtype=torch.uint8)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialized uint8 tensor of `nbytes`, 64-byte aligned."""
+        taken = -(-nbytes // 64) * 64
+        if taken > self._free.numel():
+            if taken >= self.chunk:
+                return huge_page_empty(nbytes)
+            self._free = huge_page_empty(self.chunk)
+        out, self._free = self._free[:nbytes], self._free[taken:]
+        return out

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tollway.model.host_memory import HugePageArena, huge_page_empty
 from tollway.scheduler.step_model import ROW_GROUP
 
 if TYPE_CHECKING:
@@ -44,13 +45,14 @@ class Linear:
     runs the others on q8, so it never changes a weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None):
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None,
+                 arena: HugePageArena | None = None):
         w = weight.float()
         self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
-        self.q4 = self._packed("q4", q8.pack_q4, w) if "q4" in kernels and q8 is not None else None
+        self.q4 = self._packed("q4", q8.pack_q4, w, arena) if "q4" in kernels and q8 is not None else None
         needs_q8 = "q8" in kernels or ("q4" in kernels and self.q4 is None)
-        self.q8 = self._packed("q8", q8.pack, w) if needs_q8 and q8 is not None else None
+        self.q8 = self._packed("q8", q8.pack, w, arena) if needs_q8 and q8 is not None else None
         self.fp32 = w.to(device) if "fp32" in kernels or (needs_q8 and self.q8 is None) else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
@@ -58,9 +60,9 @@ class Linear:
             q, scales = int8 if int8 is not None else quantize_int8(w)
             self.int8, self.int8_scales = q.to(device), scales.to(device)
 
-    def _packed(self, kernel: str, pack, w: torch.Tensor):
+    def _packed(self, kernel: str, pack, w: torch.Tensor, arena: HugePageArena | None):
         try:
-            return pack(w)
+            return pack(w, arena)
         except ValueError as exc:  # shapes or values the kernel does not cover
             _log.warning("%s: a %dx%d linear runs the fp32 matmul: %s", kernel, self.out_features, self.in_features, exc)
             return None
@@ -101,6 +103,7 @@ class LinearBuilder:
     def __init__(self, tensors: dict[str, torch.Tensor], kernels: set[str], device: torch.device,
                  int8: dict[str, torch.Tensor], q8: Q8Library | None = None):
         self.tensors, self.kernels, self.device, self.int8, self.q8 = tensors, kernels, device, int8, q8
+        self.arena = HugePageArena()  # the native weights, one after another in huge pages
         self.quantized = False  # whether any int8 copy was made here rather than found
 
     def __call__(self, *names: str) -> Linear:
@@ -111,7 +114,7 @@ class LinearBuilder:
         if "int8" in self.kernels:
             parts = [self._int8(n) for n in names]
             int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
-        return Linear(weight, bias, self.kernels, self.device, int8, self.q8)
+        return Linear(weight, bias, self.kernels, self.device, int8, self.q8, self.arena)
 
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if name not in self.int8:
@@ -210,8 +213,13 @@ class KVCache:
     positions its own sequence has already written; padding re-reads position 0."""
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.empty(num_slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        shape = (num_slots, kv_heads, head_dim)
+        if device.type == "cpu":  # in huge pages: attention reads scattered blocks of it every step
+            nbytes = num_slots * kv_heads * head_dim * dtype.itemsize
+            self.k, self.v = (huge_page_empty(nbytes).view(dtype).view(shape) for _ in range(2))
+        else:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty_like(self.k)
 
 
 def paged_attention(

@@ -50,6 +50,7 @@ isum_b = dot(q, xq) exact in integers and xsum_b the sum of the block's quantize
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
 #define QUANTIZE_PARALLEL (64 * 1024)  /* activation values from which the threads share quantizing them */
 #define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
+int RANGES_PER_THREAD = 8;
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
 
@@ -740,7 +741,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
-    int64_t ranges = tiles < 8 * threads ? tiles : 8 * threads;  /* a few items per thread to balance */
+    int64_t ranges = tiles < RANGES_PER_THREAD * threads ? tiles : RANGES_PER_THREAD * threads;
     size_t maxima = y ? 0 : (size_t)(ranges * m * 12);
     int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;  /* whole groups */
     size_t need = (size_t)(padded * nb * 8) + maxima + (size_t)(padded * k);

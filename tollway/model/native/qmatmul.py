@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tollway.model.host_memory import HugePageArena
 from tollway.model.native.build import compiled_library
 from tollway.model.weights import cache_root
 
@@ -63,23 +64,23 @@ class Q8Library:
         """Where the library's function `name` is, for native code that calls it."""
         return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """weight: [N, K] on the CPU. ValueError when K is not a multiple of 32, or a block's
-        scale would not fit fp16 (|w| past 8e6, or NaN)."""
+    def pack(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
+        """weight: [N, K] on the CPU, packed into `arena` when given. ValueError when K is not a
+        multiple of 32, or a block's scale would not fit fp16 (|w| past 8e6, or NaN)."""
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
         w = weight.float().contiguous()
-        data = torch.empty(self._packed_bytes(n, k), dtype=torch.uint8)
+        data = _empty(self._packed_bytes(n, k), arena)
         if self._pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads()):
             raise ValueError("weights beyond the range of fp16 block scales (or NaN)")
         return PackedWeight(self, "q8", data, n, k)
 
-    def pack_q4(self, weight: torch.Tensor) -> PackedWeight | None:
+    def pack_q4(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight | None:
         """weight: [N, K] as q4 when every block of 32 is exactly 4-bit (see fit_q4), else None:
         q4 never changes a weight. ValueError when K is not a multiple of 32."""
         parts = self.fit_q4(weight)
-        return self.pack_q4_blocks(*parts) if parts is not None else None
+        return self.pack_q4_blocks(*parts, arena=arena) if parts is not None else None
 
     def fit_q4(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(q, scale, min) with float32(float32(scale * q) - min) == weight per block of 32, as GGUF's
@@ -94,11 +95,12 @@ class Q8Library:
             return None
         return q, scale, min
 
-    def pack_q4_blocks(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor) -> PackedWeight:
+    def pack_q4_blocks(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
+                       arena: HugePageArena | None = None) -> PackedWeight:
         """q4 from its parts, w = scale * q - min: q [N, K] uint8 in 0..15, scale and min [N, K / 32] float32."""
         n, k = q.shape
         q, scale, min = q.contiguous(), scale.float().contiguous(), min.float().contiguous()
-        data = torch.empty(self._q4_packed_bytes(n, k), dtype=torch.uint8)
+        data = _empty(self._q4_packed_bytes(n, k), arena)
         self._q4_pack(q.data_ptr(), scale.data_ptr(), min.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(self, "q4", data, n, k)
 
@@ -150,6 +152,10 @@ class PackedWeight:
 
     def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.argmax(x, self, isa)
+
+
+def _empty(nbytes: int, arena: HugePageArena | None) -> torch.Tensor:
+    return arena.empty(nbytes) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
