@@ -50,7 +50,7 @@ isum_b = dot(q, xq) exact in integers and xsum_b the sum of the block's quantize
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
 #define QUANTIZE_PARALLEL (64 * 1024)  /* activation values from which the threads share quantizing them */
 #define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
-int RANGES_PER_THREAD = 8;
+#define RANGES_PER_THREAD 8             /* items per thread and row chunk: balance when a core is busy (1 to 8 measured alike) */
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
 
