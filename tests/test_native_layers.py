@@ -29,9 +29,10 @@ def _steps(vocab: int):
     return [StepPlan(0, first, "q8"), StepPlan(1, second, "q8")]
 
 
-def _run(loaded, tmp_path, fused: bool, threads: int):
+def _run(loaded, tmp_path, fused: bool, threads: int, kv_cache_dtype: str):
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
-                         torch.device("cpu"), {"q8"}, cache_dir=str(tmp_path))
+                         torch.device("cpu"), {"q8"}, cache_dir=str(tmp_path), kv_cache_dtype=kv_cache_dtype)
+    assert runner.caches[0].k.dtype == {"auto": torch.float32, "float16": torch.float16}[kv_cache_dtype]
     ops, ran = runner.model.ops, []
     fused_run = ops.run_layers
 
@@ -50,12 +51,13 @@ def _run(loaded, tmp_path, fused: bool, threads: int):
     return [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()} for step in results]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, tmp_path, name):
+def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, tmp_path, name, kv_cache_dtype):
     loaded = load_weights(str(tiny_hf_models[name]), progress=False)
-    want = _run(loaded, tmp_path, fused=False, threads=2)
-    assert _run(loaded, tmp_path, fused=True, threads=2) == want
-    assert _run(loaded, tmp_path, fused=True, threads=1) == want
+    want = _run(loaded, tmp_path, False, 2, kv_cache_dtype)
+    assert _run(loaded, tmp_path, True, 2, kv_cache_dtype) == want
+    assert _run(loaded, tmp_path, True, 1, kv_cache_dtype) == want
 
 
 def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, tmp_path):
@@ -68,3 +70,10 @@ def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, tmp
     runner.model.ops.run_layers = lambda *args: calls.append(fused_run(*args)) or calls[-1]
     assert len(runner.execute(StepPlan(0, [seq], "fp32")).tokens["a"]) == 1
     assert calls == [False]
+
+
+def test_an_unknown_kv_cache_dtype_is_refused(tiny_hf_models):
+    loaded = load_weights(str(tiny_hf_models["llama"]), progress=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
+        ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                    torch.device("cpu"), {"q8"}, kv_cache_dtype="fp8")

@@ -92,7 +92,7 @@ def test_the_build_is_reused_and_a_broken_compiler_falls_back_to_torch(tmp_path,
     assert not list((tmp_path / "other").rglob("*.so")) and not list((tmp_path / "other").rglob(".row_ops-*"))
 
 
-def _attention_step(window):
+def _attention_step(window, dtype=torch.float32):
     """A step mixing two decodes (first, as the runner orders them) with two prefill chunks, one
     long enough to be split over two threads, over a cache whose earlier positions are filled."""
     g = torch.Generator().manual_seed(4)
@@ -106,7 +106,7 @@ def _attention_step(window):
         seqs.append(ScheduledSeq(rid, "standard", (1,) * n, start, table, True, SamplingParams(temperature=0)))
         positions += range(start, start + n)
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-    cache = KVCache(96 * bs, kv_heads, d, torch.float32, torch.device("cpu"))
+    cache = KVCache(96 * bs, kv_heads, d, dtype, torch.device("cpu"))
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     qk = torch.randn(len(positions), heads + kv_heads, d, generator=g)
@@ -116,13 +116,14 @@ def _attention_step(window):
 
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_attention_matches_torch(native, window, softcap):
-    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_matches_torch(native, window, softcap, dtype):
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window, dtype)
     kind = "sliding" if window else "full"
     results = []
     for ops in (native, TorchRowOps()):
         meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), ops.needs_views)
-        own = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[2], torch.float32, torch.device("cpu"))
+        own = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[2], dtype, torch.device("cpu"))
         own.k.copy_(cache.k), own.v.copy_(cache.v)
         results.append((ops.attention(qk, v, heads, own, meta, kind, window, 0.25, softcap), own))
     (got, got_cache), (want, want_cache) = results
@@ -147,9 +148,10 @@ def test_attention_of_a_token_does_not_depend_on_its_batch(native):
 
 
 @pytest.mark.parametrize("window", [0, 24])
-def test_attention_split_over_threads_equals_one_thread(native, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_split_over_threads_equals_one_thread(native, window, dtype):
     """The step has 5,000-odd (token, key) pairs: past the split threshold, so two threads share it."""
-    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window)
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window, dtype)
     kind = "sliding" if window else "full"
     meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), False)
     before, results = torch.get_num_threads(), []
@@ -160,3 +162,21 @@ def test_attention_split_over_threads_equals_one_thread(native, window):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_a_half_cache_rounds_as_torch_does_at_the_edges(native):
+    """Keys and values written to a float16 cache round to nearest even as torch's .half():
+    past 65504 to inf, tiny values to subnormals or zero, NaN stays NaN."""
+    edges = torch.tensor([65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-8, 2.9e-8, 3e-8, 1e-9, -0.0, 1.0 + 2**-11,
+                          1.0 + 3 * 2**-11, float("inf"), float("nan"), 0.1, -3.14159])
+    k = torch.randn(3, 1, 32)
+    k.view(-1)[: len(edges)] = edges
+    v = -k
+    seqs, positions, slots = [], [0, 1, 2], [5, 2, 9]
+    seqs.append(ScheduledSeq("a", "standard", (1, 2, 3), 0, (0, 1, 2), True, SamplingParams(temperature=0)))
+    meta = step_metadata(seqs, positions, slots, 4, None, torch.device("cpu"), False)
+    cache = KVCache(12, 1, 32, torch.float16, torch.device("cpu"))
+    qk = torch.cat([torch.randn(3, 1, 32), k], dim=1)
+    native.attention(qk, v, 1, cache, meta, "full", 0, 0.25, None)
+    for got, want in ((cache.k[slots], k.half()), (cache.v[slots], v.half())):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit, NaN included

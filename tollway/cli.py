@@ -12,7 +12,7 @@ from platformdirs import user_data_dir
 from tollway.bench import cli as bench_cli
 from tollway.sim import cli as sim_cli
 from tollway.config import (
-    KERNELS, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
+    KERNELS, KV_CACHE_DTYPES, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
 )
 from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams
@@ -136,6 +136,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel", choices=("auto",) + KERNELS)
     parser.add_argument("--device")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="auto: float32 on the CPU, bfloat16 on a GPU; float16 halves attention's reads")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--policy", choices=POLICIES)
     parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
@@ -147,6 +149,7 @@ def engine_config(args) -> EngineConfig:
     sched = config.scheduler
     for value, target, name in ((args.model, config, "model"), (args.device, config, "device"),
                                 (args.threads, config, "num_threads"), (args.kernel, sched, "kernel"),
+                                (args.kv_cache_dtype, config, "kv_cache_dtype"),
                                 (args.max_model_len, sched, "max_model_len"), (args.policy, sched, "policy"),
                                 (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
                                 (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):

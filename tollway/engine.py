@@ -55,7 +55,7 @@ class Engine:
                 self.runner = ModelRunner(
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),
-                    cache_dir=config.cache_dir)
+                    cache_dir=config.cache_dir, kv_cache_dtype=config.kv_cache_dtype)
                 bar.update()
                 if sched.kernel == "auto" and sched.int8_max_tokens is None:
                     bar.set_description("int8/dense crossover")

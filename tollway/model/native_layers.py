@@ -30,7 +30,7 @@ class _Layer(ctypes.Structure):  # row_ops.c's `layer`
                 ("input_norm", _p), ("post_attn_norm", _p), ("pre_ff_norm", _p), ("post_ff_norm", _p),
                 ("qk_norm", _p), ("cos", _p), ("signed_sin", _p), ("k_cache", _p), ("v_cache", _p),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("width", _i64), ("window", _i64),
-                ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("activation", _i32)]
+                ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("activation", _i32), ("kv_half", _i32)]
 
 
 class _Step(ctypes.Structure):  # row_ops.c's `step`
@@ -104,6 +104,7 @@ class NativeLayers:
             desc.width, desc.window = mlp.width, attn.window
             desc.eps, desc.scale, desc.softcap = attn.eps, attn.scale, attn.softcap or 0.0
             desc.activation = ACTIVATIONS[mlp.activation]
+            desc.kv_half = cache.k.dtype == torch.float16
         return out
 
     def _linear(self, lin: Linear, kernel: str) -> _Linear | None:

@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* 1 / rms(x) over n floats, accumulated in double: a fixed order, and exact enough that the
    order does not matter to the float result in practice. */
@@ -131,12 +134,41 @@ static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-/* Writes the step's new keys and values to their cache slots. */
+/* ---- the KV cache: float32, or IEEE half (half the bytes attention reads) ---- */
+
+/* 8 cached floats from element `index` of a cache row (half to float is exact). */
+static inline v8 kv_load8(const void *cache, int64_t index, const int half) {
+    if (!half) return load8((const float *)cache + index);
+#if defined(__F16C__)
+    __m128i h;
+    memcpy(&h, (const uint16_t *)cache + index, sizeof h);
+    return (v8)_mm256_cvtph_ps(h);
+#else
+    v8 v;
+    for (int i = 0; i < 8; i++) v[i] = (float)((const _Float16 *)cache + index)[i];
+    return v;
+#endif
+}
+
+static inline const void *kv_at(const void *cache, int64_t index, const int half) {
+    return (const char *)cache + index * (half ? 2 : 4);
+}
+
+static void store_row(void *cache, int64_t index, const float *src, int64_t n, int half) {
+    if (!half) {
+        memcpy((float *)cache + index, src, n * sizeof(float));
+        return;
+    }
+    _Float16 *dst = (_Float16 *)cache + index;  /* IEEE rounding to nearest even, as torch's .half() */
+    for (int64_t i = 0; i < n; i++) dst[i] = (_Float16)src[i];
+}
+
+/* Writes the step's new keys and values to their cache slots (half: as IEEE half). */
 void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens, int64_t row,
-              const int64_t *slots, float *k_cache, float *v_cache) {
+              const int64_t *slots, void *k_cache, void *v_cache, int32_t half) {
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
-        memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+        store_row(k_cache, slots[t] * row, k + t * k_stride, row, half);
+        store_row(v_cache, slots[t] * row, v + t * v_stride, row, half);
     }
 }
 
@@ -149,10 +181,11 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
    value is loaded once per tile. A vector's result does not depend on its tile: its scores
    are its own dot products, and keys outside its range weigh exactly 0, so its sums run over
    its own keys in position order whatever the tile's combined range. */
-void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
-                     const float *k_cache, const float *v_cache, const int64_t *tables, int64_t table_width,
-                     const int64_t *table_rows, const int64_t *positions, int64_t block_size, int64_t window,
-                     float scale, float softcap, float *out) {
+static inline __attribute__((always_inline)) void attend(
+        const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+        const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_width,
+        const int64_t *table_rows, const int64_t *positions, int64_t block_size, int64_t window, float scale,
+        float softcap, float *out, const int half) {
     int64_t group = heads / kv_heads;
     float sums[TILE][d];     /* value sums of the tile's vectors */
     float *weights = NULL;   /* [TILE][span]: scores, then softmax numerators */
@@ -191,14 +224,14 @@ void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t h
                     rows[j] = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + g;
                 }
                 for (int64_t j = 0; j < span; j++) {
-                    const float *key = k_cache + rows[j] * d;
+                    int64_t key = rows[j] * d;
                     /* a later key's row, one cache line per line of this one */
-                    const float *ahead = k_cache + rows[j + AHEAD < span ? j + AHEAD : j] * d;
+                    int64_t ahead = rows[j + AHEAD < span ? j + AHEAD : j] * d;
                     v8 acc[TILE];
                     for (int i = 0; i < TILE; i++) acc[i] = (v8){0};
                     for (int64_t c = 0; c < d; c += 8) {
-                        if (c % 16 == 0) __builtin_prefetch(ahead + c);
-                        v8 kc = load8(key + c);
+                        if (c % (half ? 32 : 16) == 0) __builtin_prefetch(kv_at(k_cache, ahead + c, half));
+                        v8 kc = kv_load8(k_cache, key + c, half);
                         for (int i = 0; i < TILE; i++) acc[i] += load8(qv[i] + c) * kc;
                     }
                     for (int i = 0; i < TILE; i++) {
@@ -234,9 +267,9 @@ void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t h
                             acc[i][1] = load8(sums[i] + c + 8);
                         }
                         for (int64_t j = j0; j < j1; j++) {
-                            const float *value = v_cache + rows[j] * d + c;
-                            if (j + AHEAD < span) __builtin_prefetch(v_cache + rows[j + AHEAD] * d + c);
-                            v8 x0 = load8(value), x1 = load8(value + 8);
+                            int64_t value = rows[j] * d + c;
+                            if (j + AHEAD < span) __builtin_prefetch(kv_at(v_cache, rows[j + AHEAD] * d + c, half));
+                            v8 x0 = kv_load8(v_cache, value, half), x1 = kv_load8(v_cache, value + 8, half);
                             for (int i = 0; i < TILE; i++) {
                                 float p = weights[i * span + j];
                                 acc[i][0] += p * x0;
@@ -261,6 +294,19 @@ void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t h
     free(rows);
 }
 
+/* half: the cache holds IEEE half (write_kv's), else float32. One body, specialized for each. */
+void paged_attention(const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                     const void *k_cache, const void *v_cache, const int64_t *tables, int64_t table_width,
+                     const int64_t *table_rows, const int64_t *positions, int64_t block_size, int64_t window,
+                     float scale, float softcap, float *out, int32_t half) {
+    if (half)
+        attend(q, q_stride, tokens, heads, kv_heads, d, k_cache, v_cache, tables, table_width, table_rows, positions,
+               block_size, window, scale, softcap, out, 1);
+    else
+        attend(q, q_stride, tokens, heads, kv_heads, d, k_cache, v_cache, tables, table_width, table_rows, positions,
+               block_size, window, scale, softcap, out, 0);
+}
+
 /* ---- attention on the matmuls' thread pool ---------------------------------------------- */
 
 /* The pool lives in qmatmul.c (a separate library, compiled for every instruction set); its
@@ -274,13 +320,14 @@ enum { PARALLEL_ATTENTION_PAIRS = 4096 };
 typedef struct {
     const float *q;
     int64_t q_stride, tokens, heads, kv_heads, d;
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache;
     const int64_t *tables;
     int64_t table_width;
     const int64_t *table_rows, *positions;
     int64_t block_size, window;
     float scale, softcap;
     float *out;
+    int32_t half;
 } attention_job;
 
 static int64_t keys_read(const attention_job *j, int64_t t) {
@@ -305,7 +352,7 @@ static void attention_part(void *ctx, int part, int parts) {
     if (first < 0 || last <= first) return;
     paged_attention(j->q + first * j->q_stride, j->q_stride, last - first, j->heads, j->kv_heads, j->d, j->k_cache,
                     j->v_cache, j->tables, j->table_width, j->table_rows + first, j->positions + first, j->block_size,
-                    j->window, j->scale, j->softcap, j->out + first * j->heads * j->d);
+                    j->window, j->scale, j->softcap, j->out + first * j->heads * j->d, j->half);
 }
 
 static void run_attention(const attention_job *j, parallel_fn parallel, int threads) {
@@ -319,12 +366,12 @@ static void run_attention(const attention_job *j, parallel_fn parallel, int thre
 
 /* paged_attention over `threads` threads of the pool (parallel is qmatmul.c's q8_parallel). */
 void paged_attention_parallel(const float *q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
-                              int64_t d, const float *k_cache, const float *v_cache, const int64_t *tables,
+                              int64_t d, const void *k_cache, const void *v_cache, const int64_t *tables,
                               int64_t table_width, const int64_t *table_rows, const int64_t *positions,
                               int64_t block_size, int64_t window, float scale, float softcap, float *out,
-                              parallel_fn parallel, int32_t threads) {
+                              int32_t half, parallel_fn parallel, int32_t threads) {
     attention_job j = {q, q_stride, tokens, heads, kv_heads, d, k_cache, v_cache, tables, table_width, table_rows,
-                       positions, block_size, window, scale, softcap, out};
+                       positions, block_size, window, scale, softcap, out, half};
     run_attention(&j, parallel, threads);
 }
 
@@ -352,10 +399,11 @@ typedef struct {
     const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm;
     const float *qk_norm;  /* [heads + kv_heads, d] or NULL */
     const float *cos, *signed_sin;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t heads, kv_heads, head_dim, width, window;
     float eps, scale, softcap;
     int32_t activation;
+    int32_t kv_half;  /* the caches hold IEEE half */
 } layer;
 
 typedef struct {
@@ -398,7 +446,7 @@ static void rows_part(void *ctx, int part, int parts) {
             qk_norm_rope(qkv, l->qkv.n, n, qk_heads, d, l->qk_norm, l->eps, l->cos, l->signed_sin, s->positions + t0,
                          qk);
             write_kv(qk + l->heads * d, qk_heads * d, qkv + qk_heads * d, l->qkv.n, n, l->kv_heads * d, s->slots + t0,
-                     l->k_cache, l->v_cache);
+                     l->k_cache, l->v_cache, l->kv_half);
             break;
         }
         case OP_ATTENTION_RESIDUAL:
@@ -441,7 +489,7 @@ int decoder_layers(const layer *layers, int64_t count, const step *s, float *x) 
         run_rows(OP_QK_ROPE_KV, l, s, x);
         attention_job a = {s->qk, (l->heads + l->kv_heads) * d, s->tokens, l->heads, l->kv_heads, d, l->k_cache,
                            l->v_cache, s->tables, s->table_width, s->table_rows, s->positions, s->block_size,
-                           l->window, l->scale, l->softcap, s->attn};
+                           l->window, l->scale, l->softcap, s->attn, l->kv_half};
         run_attention(&a, s->parallel, s->threads);
         if (run_linear(&l->o, s, s->attn, s->h)) return -1;
         run_rows(OP_ATTENTION_RESIDUAL, l, s, x);

@@ -85,9 +85,9 @@ class NativeRowOps(TorchRowOps):
         self._add_rms_norm = _bind(lib.add_rms_norm, p, p, p, p, f32, i64, i64, p)
         self._qk_norm_rope = _bind(lib.qk_norm_rope, p, i64, i64, i64, i64, p, f32, p, p, p, p)
         self._gated = _bind(lib.gated_act, p, i64, i64, ctypes.c_int32, p)
-        self._write_kv = _bind(lib.write_kv, p, i64, p, i64, i64, i64, p, p, p)
+        self._write_kv = _bind(lib.write_kv, p, i64, p, i64, i64, i64, p, p, p, i32)
         self._attention = _bind(lib.paged_attention_parallel, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64,
-                                i64, f32, f32, p, p, i32)
+                                i64, f32, f32, p, i32, p, i32)
         self._parallel = q8.address("q8_parallel")  # the matmuls' thread pool
         self._layers = NativeLayers(lib, q8)
 
@@ -115,13 +115,14 @@ class NativeRowOps(TorchRowOps):
         tokens, _, d = qk.shape
         kv_heads = qk.shape[1] - heads
         k = qk[:, heads:]
+        half = cache.k.dtype == torch.float16
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * d,
-                       meta.slot_mapping.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr())
+                       meta.slot_mapping.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), half)
         out = torch.empty(tokens, heads, d)
         self._attention(qk.data_ptr(), qk.stride(0), tokens, heads, kv_heads, d, cache.k.data_ptr(),
                         cache.v.data_ptr(), meta.tables.data_ptr(), meta.tables.shape[1], meta.table_rows.data_ptr(),
                         meta.positions.data_ptr(), meta.block_size, window, scale, softcap or 0.0, out.data_ptr(),
-                        self._parallel, torch.get_num_threads())
+                        half, self._parallel, torch.get_num_threads())
         return out
 
     def gated(self, gate_up, width, activation):

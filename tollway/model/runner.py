@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tollway.config import SchedulerConfig
+from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
 from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
@@ -28,9 +28,10 @@ ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
 class ModelRunner:
     def __init__(self, model_config, tensors: dict[str, torch.Tensor], sched: SchedulerConfig,
                  device: torch.device, kernels: set[str], seed: int = 0, int8_cache: Path | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, kv_cache_dtype: str = "auto"):
         """`int8_cache`: a safetensors file that keeps the int8 weight copies between starts;
-        `cache_dir`: where compiled kernels are kept (see row_ops.py)."""
+        `cache_dir`: where compiled kernels are kept (see row_ops.py); `kv_cache_dtype`: one of
+        config.KV_CACHE_DTYPES."""
         keep_freed_memory()
         self.device = device
         self.kernels = kernels
@@ -43,8 +44,7 @@ class ModelRunner:
             model_config, tensors, build, max_positions, row_ops_for(device, model_config.head_dim, cache_dir), device)
         if build.quantized and int8_cache:
             _write_int8(int8_cache, int8)
-        # float32 KV on CPU: no native bf16 math on AVX2, and the fp32 kernel then matches transformers exactly.
-        kv_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        kv_dtype = kv_dtype_for(device, kv_cache_dtype)
         self.caches = [KVCache(sched.num_blocks * sched.block_size, model_config.num_kv_heads,
                                model_config.head_dim, kv_dtype, device) for _ in range(model_config.num_layers)]
         self.window = model_config.sliding_window if "sliding" in model_config.layer_types else None
@@ -88,6 +88,15 @@ class ModelRunner:
             row += s.num_new
         meta = step_metadata(seqs, pos, slots, bs, self.window, dev, self.model.ops.needs_views)
         return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta, logit_rows
+
+
+def kv_dtype_for(device: torch.device, kv_cache_dtype: str) -> torch.dtype:
+    """"auto": float32 on the CPU (the fp32 kernel then matches transformers exactly), bfloat16 on a GPU."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, kv_cache_dtype)
 
 
 def _read_int8(path: Path) -> dict[str, torch.Tensor]:
