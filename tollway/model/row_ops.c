@@ -159,8 +159,15 @@ static void store_row(void *cache, int64_t index, const float *src, int64_t n, i
         memcpy((float *)cache + index, src, n * sizeof(float));
         return;
     }
-    _Float16 *dst = (_Float16 *)cache + index;  /* IEEE rounding to nearest even, as torch's .half() */
-    for (int64_t i = 0; i < n; i++) dst[i] = (_Float16)src[i];
+    /* IEEE rounding to nearest even, as torch's .half(); n is a multiple of 16 (whole heads) */
+#if defined(__F16C__)
+    for (int64_t i = 0; i < n; i += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        memcpy((uint16_t *)cache + index + i, &h, sizeof h);
+    }
+#else
+    for (int64_t i = 0; i < n; i++) ((_Float16 *)cache)[index + i] = (_Float16)src[i];
+#endif
 }
 
 /* Writes the step's new keys and values to their cache slots (half: as IEEE half). */
