@@ -87,3 +87,36 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 def test_bad_values_are_rejected_with_a_clear_message(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad).validate(vocab_size=100)
+
+
+def _top_p_by_sort(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: sort, keep a token while the mass before it is below top_p."""
+    values, order = torch.sort(scaled, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+    return scaled.scatter(0, order[drop], float("-inf"))
+
+
+@pytest.mark.parametrize("spread, top_p", [(0.1, 0.9), (1.0, 0.5), (3.0, 0.95), (0.01, 0.999), (5.0, 0.1)])
+def test_top_p_without_a_sort_keeps_what_the_sorted_definition_keeps(spread, top_p):
+    """Flat rows need thousands of tokens for the mass (the search grows past its first 64)."""
+    from tollway.model.sampling import _top_p
+
+    scaled = torch.randn(20_000, generator=torch.Generator().manual_seed(int(spread * 100))) * spread
+    kept, want = _top_p(scaled, top_p), _top_p_by_sort(scaled, top_p)
+    assert torch.equal(torch.isinf(kept), torch.isinf(want))
+    assert torch.equal(kept[~torch.isinf(kept)], scaled[~torch.isinf(want)])
+
+
+def test_a_large_vocabulary_is_sampled_by_its_softmax():
+    """The draw inverts the running sum at one uniform: counts over 3,000 tokens follow softmax."""
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(5))
+    logits[:4] = torch.tensor([6.0, 5.5, 5.0, 4.0])  # most of the mass in a few tokens
+    n = 3000
+    draws = _draws(logits, SamplingParams(temperature=1.0), n)
+    probs = torch.softmax(logits, dim=-1)
+    counts = torch.bincount(draws, minlength=3000).float()
+    head = counts[:4], probs[:4] * n
+    rest = torch.stack([counts[4:].sum(), probs[4:].sum() * n])
+    observed, expected = torch.cat([head[0], rest[:1]]), torch.cat([head[1], rest[1:]])
+    assert float(((observed - expected) ** 2 / expected).sum()) < 23  # 4 degrees of freedom: p < 1e-4

@@ -80,12 +80,27 @@ def _probs(row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_vals, order = torch.sort(scaled, descending=True)
-        probs_sorted = torch.softmax(sorted_vals, dim=-1)
-        # Drop a token once the mass before it already reaches top_p; the top token always stays.
-        drop = (torch.cumsum(probs_sorted, dim=-1) - probs_sorted) >= p.top_p
-        scaled = scaled.scatter(0, order[drop], float("-inf"))
+        scaled = _top_p(scaled, p.top_p)
     return torch.softmax(scaled, dim=-1)
+
+
+def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop a token once the mass of the tokens before it (most likely first) reaches top_p; the
+    top token always stays. The kept tokens are a prefix of the descending order, found with
+    top-k over ever more tokens rather than a sort of the whole vocabulary (48 ms at 262k)."""
+    probs = torch.softmax(scaled, dim=-1)
+    k = min(_TOP_P_FIRST, probs.numel())
+    while True:
+        top, order = torch.topk(probs, k)
+        mass = torch.cumsum(top, dim=-1)
+        if float(mass[-1]) >= top_p or k == probs.numel():
+            break
+        k = min(k * 16, probs.numel())
+    keep = order[(mass - top) < top_p]
+    return torch.full_like(scaled, float("-inf")).index_copy_(0, keep, scaled[keep])
+
+
+_TOP_P_FIRST = 64  # tokens first looked at for top_p: most steps' mass is there
 
 
 def _generator(seq: ScheduledSeq, position: int, generator: torch.Generator) -> torch.Generator:
@@ -97,9 +112,16 @@ def _generator(seq: ScheduledSeq, position: int, generator: torch.Generator) -> 
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """A draw from probs (unnormalised is fine): the exponential race, argmax of p / Exp(1)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    """A draw from probs (unnormalised is fine) by inverting their running sum at one uniform:
+    an exponential per token cost 5 ms at 262k tokens, this 0.3."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = float(torch.rand((), generator=generator, device=probs.device, dtype=torch.float64)) * float(cdf[-1])
+    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
+    # u lands past the last step only by rounding; and never on a token of probability 0
+    index = min(index, probs.numel() - 1)
+    while float(probs[index]) == 0.0:
+        index -= 1
+    return index
 
 
 def _add_logprobs(tokens: list[SampledToken], rows: torch.Tensor, top_n: int) -> None:
