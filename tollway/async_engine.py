@@ -165,8 +165,8 @@ class AsyncEngine:
             while not self._stopping:
                 # Block for work only while idle; between steps take whatever has arrived.
                 block = not self.engine.has_unfinished()
-                self._drain(block)
-                self._publish(None)  # before anyone hears of what the commands did
+                if self._drain(block):
+                    self._publish(None)  # before anyone hears of what the commands did
                 self._end_aborted()
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
@@ -176,16 +176,14 @@ class AsyncEngine:
                         for observe in self._observers:
                             observe(self.engine, plan, result, outputs)
                     self._publish(plan)
-                    for out in outputs:
-                        self._deliver(out.request_id, out, last=out.finished)
+                    self._deliver([(out.request_id, out, out.finished) for out in outputs])
                     if self._aborted:  # a caller whose event loop closed meanwhile
                         self._publish(None)
                         self._end_aborted()
             stopped: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
             self.error = stopped = e
-        for rid in list(self._outputs):
-            self._deliver(rid, stopped, last=True)
+        self._deliver([(rid, stopped, True) for rid in list(self._outputs)])
 
     def _publish(self, plan) -> None:
         """Occupancy, and when each running request last ran, as of now."""
@@ -194,17 +192,18 @@ class AsyncEngine:
         self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in scheduler.running}
         self.occupancy = Occupancy.of(scheduler)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Apply the commands posted so far; whether there were any."""
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._apply(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
@@ -241,15 +240,27 @@ class AsyncEngine:
             outputs, self._aborted = self._aborted, []
             for observe in self._observers:
                 observe(self.engine, None, None, outputs)
-            for out in outputs:
-                self._deliver(out.request_id, out, last=True)
+            self._deliver([(out.request_id, out, True) for out in outputs])
 
-    def _deliver(self, request_id: str, item, last: bool) -> None:
-        target = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
-        if target is not None:
-            loop, outputs = target
+    def _deliver(self, items: list[tuple[str, object, bool]]) -> None:
+        """Hand each (request id, output or error, whether it is the last) to its stream: one
+        wake-up per event loop for them all, since each wake-up is a system call and a turn of
+        that loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object, str, bool]]] = {}
+        for request_id, item, last in items:
+            target = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
+            if target is not None:
+                loop, outputs = target
+                batches.setdefault(loop, []).append((outputs, item, request_id, last))
+        for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that caller's event loop is closed: nobody is listening
-                if not last:
-                    self._abort(request_id)
+                for _, _, request_id, last in batch:
+                    if not last:
+                        self._abort(request_id)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object, str, bool]]) -> None:
+    for outputs, item, _, _ in batch:
+        outputs.put_nowait(item)

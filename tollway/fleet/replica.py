@@ -98,7 +98,7 @@ class ReplicaEngine(AsyncEngine):
                       if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
             for r in queued:
                 engine.abort(r.request_id)
-                self._deliver(r.request_id, ReplicaDraining(r.tier), last=True)
+            self._deliver([(r.request_id, ReplicaDraining(r.tier), True) for r in queued])
             return len(queued)
 
         return self.run(refuse).result()

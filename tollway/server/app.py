@@ -265,7 +265,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     def _absorb(choice, out) -> tuple[str, list[dict]]:
         """Fold an output into its choice; returns the new text and new logprob entries."""
         new_logprobs = out.logprobs[len(choice.logprobs):]
-        choice.text, choice.token_ids, choice.logprobs = out.text, list(out.token_ids), list(out.logprobs)
+        # out.token_ids is the output's own copy; out.logprobs is the request's list, still growing
+        choice.text, choice.token_ids, choice.logprobs = out.text, out.token_ids, list(out.logprobs)
         choice.output = out
         if out.finished:
             choice.finish_reason = out.finish_reason
@@ -312,5 +313,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     return app
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with options builds an encoder per call
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(payload)}\n\n"

@@ -111,6 +111,13 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come, interleaved. Abandoning it aborts them all."""
+        if len(self.streams) == 1:  # the usual call: read its stream directly, not through a pump task
+            try:
+                async for out in self.streams[0]:
+                    yield self.choices[0], out
+            finally:
+                self.abort()
+            return
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice, stream: RequestStream) -> None:

@@ -57,6 +57,16 @@ class Metrics:
         self.accepted = Counter("tollway:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                 ["model_name"], registry=r)
         self._last_token: dict[str, float] = {}
+        self._children: dict[tuple, object] = {}  # (metric, labels) -> its labelled child
+
+    def _of(self, metric, *labels):
+        """metric.labels(*labels), remembered: labels() locks and looks up on every call, and
+        this runs several times per step on the engine thread."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def on_step(self, engine, plan, result, outputs) -> None:
         """Called on the engine thread after a step that ran (plan has sequences), and with
@@ -67,44 +77,45 @@ class Metrics:
             self._on_output(out)
 
     def _on_plan(self, sched, plan, result) -> None:
-        m = self.model
-        self.step_seqs.labels(m).observe(len(plan.seqs))
-        self.step_tokens.labels(m).observe(plan.num_tokens)
-        self.step_seconds.labels(m).observe(result.seconds)
+        m, of = self.model, self._of
+        of(self.step_seqs, m).observe(len(plan.seqs))
+        of(self.step_tokens, m).observe(plan.num_tokens)
+        of(self.step_seconds, m).observe(result.seconds)
         if plan.predicted_seconds is not None:
-            self.step_predicted.labels(m).observe(plan.predicted_seconds)
-            self.step_error.labels(m).observe(abs(result.seconds - plan.predicted_seconds))
+            of(self.step_predicted, m).observe(plan.predicted_seconds)
+            of(self.step_error, m).observe(abs(result.seconds - plan.predicted_seconds))
         drafts = sum(s.num_draft for s in plan.seqs)
         if drafts:
-            self.drafts.labels(m).inc(drafts)
-            self.accepted.labels(m).inc(sum(max(0, len(result.tokens.get(s.request_id, [])) - 1)
-                                            for s in plan.seqs if s.num_draft))
+            of(self.drafts, m).inc(drafts)
+            of(self.accepted, m).inc(sum(max(0, len(result.tokens.get(s.request_id, [])) - 1)
+                                         for s in plan.seqs if s.num_draft))
         for rid in plan.preempted:
             request = sched.get(rid)
             if request is not None:
-                self.preemptions.labels(m, request.tier).inc()
+                of(self.preemptions, m, request.tier).inc()
 
     def _on_output(self, out) -> None:
-        m, labels = self.model, (self.model, out.tier)
+        m, labels, of = self.model, (self.model, out.tier), self._of
         n = len(out.new_token_ids)
         if n:
-            self.generation_tokens.labels(*labels).inc(n)
+            of(self.generation_tokens, *labels).inc(n)
             last = self._last_token.get(out.request_id)
             if last is None:
-                self.ttft.labels(*labels).observe(out.first_token_time - out.arrival_time)
-                self.queue.labels(*labels).observe(out.first_scheduled_time - out.arrival_time)
-                self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
-                self.prefix_hits.labels(m).inc(out.num_cached_prompt_tokens)
+                of(self.ttft, *labels).observe(out.first_token_time - out.arrival_time)
+                of(self.queue, *labels).observe(out.first_scheduled_time - out.arrival_time)
+                of(self.prefix_queries, m).inc(len(out.prompt_token_ids))
+                of(self.prefix_hits, m).inc(out.num_cached_prompt_tokens)
             else:
+                itl = of(self.itl, *labels)
                 for _ in range(n):  # accepted drafts arrive together: they share the gap
-                    self.itl.labels(*labels).observe((out.time - last) / n)
+                    itl.observe((out.time - last) / n)
             self._last_token[out.request_id] = out.time
         if out.finished:
             self._last_token.pop(out.request_id, None)
             if out.finish_reason != "abort":
-                self.e2e.labels(*labels).observe(out.time - out.arrival_time)
-                self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
-                self.finished.labels(m, out.tier, out.finish_reason).inc()
+                of(self.e2e, *labels).observe(out.time - out.arrival_time)
+                of(self.prompt_tokens, *labels).inc(len(out.prompt_token_ids))
+                of(self.finished, m, out.tier, out.finish_reason).inc()
 
     def watch(self, engine, watchdog) -> None:
         """Serve the occupancy `engine` (an AsyncEngine) publishes, and `watchdog`'s count."""
