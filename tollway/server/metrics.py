@@ -3,13 +3,19 @@ request is involved, so each lane's latency and load can be read apart.
 
 Fed from the engine thread after every step (AsyncEngine's on_step hook): the plan, its
 measured time and the outputs it produced, and the final outputs of requests aborted between
-steps. What the engine holds now (requests running and waiting, KV in use) is read at scrape
-time from the occupancy the engine publishes after every change (watch()), so it is never
-stale for want of a step; so are the watchdog's findings. With a meter (bill()), its cost per
-lane and budgets' spend are read from it at scrape time. Scraping reads the registry from the
-event loop; prometheus_client's metrics are thread-safe.
+steps. They are only recorded there, and counted FOLD_EVERY steps at a time and before every
+scrape: a step's Python runs with caches that the model's weights have just swept, so counting
+each step as it comes costs several times what counting many at once does. What the engine
+holds now (requests running and waiting, KV in use) is read at scrape time from the occupancy
+the engine publishes after every change (watch()), so it is never stale for want of a step; so
+are the watchdog's findings. With a meter (bill()), its cost per lane and budgets' spend are
+read from it at scrape time. Scraping reads the registry from the event loop;
+prometheus_client's metrics are thread-safe.
 """
 from __future__ import annotations
+
+import threading
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +25,7 @@ from tollway.config import TIERS
 _LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+FOLD_EVERY = 64  # steps recorded before the engine thread counts them
 
 
 class Metrics:
@@ -58,10 +65,12 @@ class Metrics:
                                 ["model_name"], registry=r)
         self._last_token: dict[str, float] = {}
         self._children: dict[tuple, object] = {}  # (metric, labels) -> its labelled child
+        self._pending: deque[tuple] = deque()  # (plan, result, preempted tiers, outputs) not yet counted
+        self._folding = threading.Lock()
 
     def _of(self, metric, *labels):
         """metric.labels(*labels), remembered: labels() locks and looks up on every call, and
-        this runs several times per step on the engine thread."""
+        this runs several times per step."""
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
@@ -70,13 +79,25 @@ class Metrics:
 
     def on_step(self, engine, plan, result, outputs) -> None:
         """Called on the engine thread after a step that ran (plan has sequences), and with
-        plan None for requests aborted between steps."""
-        if plan is not None:
-            self._on_plan(engine.scheduler, plan, result)
-        for out in outputs:
-            self._on_output(out)
+        plan None for requests aborted between steps. Recorded; fold() counts it."""
+        preempted = ()
+        if plan is not None and plan.preempted:  # their tiers now: they may be gone by the fold
+            preempted = [r.tier for r in map(engine.scheduler.get, plan.preempted) if r is not None]
+        self._pending.append((plan, result, preempted, outputs))
+        if len(self._pending) >= FOLD_EVERY:
+            self.fold()
 
-    def _on_plan(self, sched, plan, result) -> None:
+    def fold(self) -> None:
+        """Count the steps recorded so far, in order (from either thread)."""
+        with self._folding:
+            while self._pending:
+                plan, result, preempted, outputs = self._pending.popleft()
+                if plan is not None:
+                    self._on_plan(plan, result, preempted)
+                for out in outputs:
+                    self._on_output(out)
+
+    def _on_plan(self, plan, result, preempted: list[str]) -> None:
         m, of = self.model, self._of
         of(self.step_seqs, m).observe(len(plan.seqs))
         of(self.step_tokens, m).observe(plan.num_tokens)
@@ -89,10 +110,8 @@ class Metrics:
             of(self.drafts, m).inc(drafts)
             of(self.accepted, m).inc(sum(max(0, len(result.tokens.get(s.request_id, [])) - 1)
                                          for s in plan.seqs if s.num_draft))
-        for rid in plan.preempted:
-            request = sched.get(rid)
-            if request is not None:
-                of(self.preemptions, m, request.tier).inc()
+        for tier in preempted:
+            of(self.preemptions, m, tier).inc()
 
     def _on_output(self, out) -> None:
         m, labels, of = self.model, (self.model, out.tier), self._of
@@ -126,6 +145,7 @@ class Metrics:
         self.registry.register(_MeterCollector(self.model, meter))
 
     def exposition(self) -> bytes:
+        self.fold()
         return generate_latest(self.registry)
 
 
