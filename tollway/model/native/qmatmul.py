@@ -135,9 +135,12 @@ class Q8Library:
         """u8 x s8 multiply-adds per second of a register-only loop on every thread: the integer
         peak that benchmarks measure the kernels against."""
         isa, threads = ("avx512vnni" if "avx512vnni" in self.supported else "avx2"), torch.get_num_threads()
-        start = time.perf_counter()
-        per_thread = self._peak(ISAS.index(isa), iters, threads)
-        return per_thread * threads / (time.perf_counter() - start)
+        best = 0.0
+        for _ in range(5):  # the first starts the pool's threads; the best of the rest is the peak
+            start = time.perf_counter()
+            per_thread = self._peak(ISAS.index(isa), iters, threads)
+            best = max(best, per_thread * threads / (time.perf_counter() - start))
+        return best
 
 
 class PackedWeight:
