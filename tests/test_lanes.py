@@ -11,8 +11,7 @@ from tollway.scheduler.plan import SampledToken, StepResult
 from tollway.scheduler.scheduler import QueueFullError, Scheduler
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
-# Rough shape of the real CPU numbers: int8 cheap to start and steep per token, fp32 the opposite.
-COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.004], "fp32": [0.060, 0.0020, 0.0120, 0.00002, 0.004]}
+from coeffs_scale import COEFFS, at_this_scale
 
 
 class Clock:
@@ -25,6 +24,7 @@ class Clock:
 
 def lanes(clock=None, tiers=None, **overrides) -> Scheduler:
     config = SchedulerConfig(**{"int8_max_tokens": 32, "dense_kernel": "fp32", "num_blocks": 1024, "block_size": 16, **overrides})
+    at_this_scale(config.tiers)
     if tiers:
         for name, fields in tiers.items():
             for k, v in fields.items():
@@ -313,7 +313,7 @@ def test_after_fast_traffic_steps_stay_short_enough_for_a_newcomer():
         plans = [run_step(sched) for _ in range(n)]
         return [p.predicted_seconds for p in plans], {p.capped_by for p in plans}
 
-    fast = default_tiers()["fast"]
+    fast = at_this_scale(default_tiers())["fast"]
     assert fast.ttft_target and fast.warm_for
     idle, warm, unset = lanes(), lanes(), lanes(tiers={"fast": {"warm_for": None}})
     for sched in (idle, warm, unset):

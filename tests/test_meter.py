@@ -14,12 +14,11 @@ from tollway.meter.price_card import PriceCard
 from tollway.request import SamplingParams
 from tollway.scheduler.step_model import StepTimeModel
 
-# Roughly this machine's int8 and fp32 steps; the lanes shape steps by this model.
-COEFFS = {"int8": [0.040, 0.0030, 0.0040, 0.00002, 0.004], "fp32": [0.060, 0.0020, 0.0120, 0.00002, 0.004]}
+from coeffs_scale import COEFFS, at_this_scale
 
 
 def _mixed_run(make_engine, tmp_path, policy: str):
-    engine = make_engine(policy=policy, max_num_seqs=24, dense_kernel="fp32")
+    engine = make_engine(policy=policy, max_num_seqs=24, dense_kernel="fp32", tiers=at_this_scale(default_tiers()))
     # Not refitted from the measured steps: the plans then depend on the model alone, not on
     # how fast this machine happens to run today.
     engine.step_model = engine.scheduler.step_model = StepTimeModel(COEFFS, refit_every=10**9)
