@@ -397,13 +397,19 @@ static void quantize_part(void *ctx, int part, int parts) {
    Arguments: the tile, nb, a group of quantized rows (values, scales, offsets), the row count
    (1..MAX_ROWS), and out[rows][16]. */
 
+/* Each SIMD kernel reads ahead: at block b it prefetches [ahead + b * step, + step), the part of the
+   weights the caller will want next (see matmul_part). */
+static inline void prefetch_ahead(const char *ahead, int64_t step, int64_t b) {
+    for (int64_t at = 0; at < step; at += 64) __builtin_prefetch(ahead + b * step + at);
+}
+
 typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                            int rows, float *out);
+                            int rows, float *out, const char *ahead, int64_t ahead_step);
 
 static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                          int rows, float *out) {
+                          int rows, float *out, const char *ahead, int64_t ahead_step) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
-    (void)xo;
+    (void)xo, (void)ahead, (void)ahead_step;
     for (int r = 0; r < rows; r++) {
         float acc[TILE] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -424,7 +430,8 @@ static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, con
 static inline float xsum_of(int32_t xo) { return (float)(xo / -128); }
 
 static void q4_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                             int rows, float *out) {
+                             int rows, float *out, const char *ahead, int64_t ahead_step) {
+    (void)ahead, (void)ahead_step;
     for (int r = 0; r < rows; r++) {
         float acc[TILE] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -458,7 +465,7 @@ static inline int32_t group_of(const int8_t *p) {
    w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. */
 __attribute__((target("avx2,fma,f16c")))
 static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                      int rows, float *out) {
+                      int rows, float *out, const char *ahead, int64_t ahead_step) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     (void)xo;
@@ -468,6 +475,7 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
+                if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
                 __m256i isum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                                    _mm256_setzero_si256()};
                 for (int g = 0; g < GROUPS; g++) {
@@ -494,7 +502,7 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
 0..15, so vpmaddubsw takes it as the u8 operand directly: a pair stays within 2 * 15 * 128. */
 __attribute__((target("avx2,fma,f16c")))
 static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                         int rows, float *out) {
+                         int rows, float *out, const char *ahead, int64_t ahead_step) {
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int half = 0; half < 2; half++) {
         for (int r0 = 0; r0 < rows; r0 += 4) {
@@ -502,6 +510,7 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
+                if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
                 __m256i isum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                                    _mm256_setzero_si256()};
                 for (int p = 0; p < 4; p++) {
@@ -553,14 +562,14 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *x) 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                 const float *xs, const int32_t *xo, const int rows,
-                                                                float *out) {
+                                                                float *out, const char *ahead, int64_t ahead_step) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * BLOCK_BYTES;
         const int8_t *x = xq + XQ(b, 0);
-        for (int line = 0; line < BLOCK_BYTES; line += 64) _mm_prefetch((const char *)w + PREFETCH + line, _MM_HINT_T0);
+        prefetch_ahead(ahead, ahead_step, b);
         __m512i isum[MAX_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)]);
         for (int g = 0; g < GROUPS; g++) {
@@ -580,14 +589,14 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q4_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                    const float *xs, const int32_t *xo, const int rows,
-                                                                   float *out) {
+                                                                   float *out, const char *ahead, int64_t ahead_step) {
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
         const int8_t *x = xq + XQ(b, 0);
-        for (int line = 0; line < Q4_BLOCK_BYTES; line += 64) _mm_prefetch((const char *)w + PREFETCH + line, _MM_HINT_T0);
+        prefetch_ahead(ahead, ahead_step, b);
         __m512i isum[MAX_ROWS];
         for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
@@ -611,9 +620,9 @@ static inline __attribute__((always_inline)) void q4_vnni512_rows(const uint8_t 
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static void q4_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                               int rows, float *out) {
+                               int rows, float *out, const char *ahead, int64_t ahead_step) {
     switch (rows) {
-#define ROWS_CASE(R) case R: q4_vnni512_rows(tile, nb, xq, xs, xo, R, out); break;
+#define ROWS_CASE(R) case R: q4_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
     }
@@ -621,9 +630,9 @@ static void q4_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                            int rows, float *out) {
+                            int rows, float *out, const char *ahead, int64_t ahead_step) {
     switch (rows) {  /* a body per row count, so the accumulators stay in registers */
-#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, xs, xo, R, out); break;
+#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
     }
@@ -696,9 +705,24 @@ typedef struct {
     const uint8_t *packed;
     float *y;               /* the outputs, row stride ldy; or NULL to keep only each row's largest: */
     int64_t ldy;
-    float *best;            /* [ranges][m] the largest output of each tile range */
-    int64_t *best_index;    /* [ranges][m] its column, the first one on ties */
+    float *best;            /* [ranges][m][TILE] the largest output of each lane's columns in a range */
+    int32_t *best_col;      /* [ranges][m][TILE] its column, the first one on ties */
 } matmul_job;
+
+/* The running largest output of each lane (column mod TILE) of one row. Branch-free, so it
+   vectorizes; a later column replaces only a strictly larger value, and padding never counts. */
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void keep_largest(const float *restrict out, int64_t cols, int64_t col0, float *restrict best,
+                         int32_t *restrict best_col) {
+    for (int c = 0; c < TILE; c++) {
+        float v = c < cols ? out[c] : -INFINITY;
+        int take = v > best[c];
+        best[c] = take ? v : best[c];
+        best_col[c] = take ? (int32_t)(col0 + c) : best_col[c];
+    }
+}
 
 static void matmul_part(void *ctx, int part, int parts) {
     matmul_job *j = ctx;
@@ -709,23 +733,31 @@ static void matmul_part(void *ctx, int part, int parts) {
         int64_t range = item % j->ranges, m0 = item / j->ranges * j->row_chunk;
         int64_t m1 = m0 + j->row_chunk < j->m ? m0 + j->row_chunk : j->m;
         int64_t first = tiles * range / j->ranges, last = tiles * (range + 1) / j->ranges;
-        float *best = j->best + range * j->m;
-        int64_t *best_index = j->best_index + range * j->m;
-        if (!j->y)
-            for (int64_t r = m0; r < m1; r++) best[r] = -INFINITY, best_index[r] = first * TILE;
+        int64_t passes = (m1 - m0 + MAX_ROWS - 1) / MAX_ROWS;
+        float *best = j->best + range * j->m * TILE;
+        int32_t *best_col = j->best_col + range * j->m * TILE;
+        for (int64_t r = m0; r < m1 && !j->y; r++)
+            for (int c = 0; c < TILE; c++) best[r * TILE + c] = -INFINITY, best_col[r * TILE + c] = (int32_t)(first * TILE + c);
         for (int64_t t = first; t < last; t++) {
             int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
-            for (int64_t r0 = m0; r0 < m1; r0 += MAX_ROWS) {
+            const uint8_t *tile = j->packed + t * tb;
+            for (int64_t r0 = m0, pass = 0; r0 < m1; r0 += MAX_ROWS, pass++) {
                 int rows = (int)(m1 - r0 < MAX_ROWS ? m1 - r0 : MAX_ROWS);
-                j->kernel(j->packed + t * tb, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows,
-                          out);
+                /* Only a tile's first pass reads it from memory: a lone pass reads PREFETCH bytes
+                   ahead, and of several, each fetches its share of the next tile meanwhile. */
+                const char *ahead = (const char *)tile + PREFETCH;
+                int64_t step = tb / j->nb;
+                if (passes > 1) {
+                    ahead = (const char *)tile + tb + tb * pass / passes;
+                    step = t + 1 < tiles ? (tb + passes * j->nb - 1) / (passes * j->nb) : 0;
+                }
+                j->kernel(tile, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows, out, ahead,
+                          step);
                 for (int r = 0; r < rows; r++) {
-                    if (j->y) {
+                    if (j->y)
                         memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, (size_t)cols * sizeof(float));
-                        continue;
-                    }
-                    for (int c = 0; c < cols; c++)
-                        if (out[r * TILE + c] > best[r0 + r]) best[r0 + r] = out[r * TILE + c], best_index[r0 + r] = t * TILE + c;
+                    else
+                        keep_largest(out + r * TILE, cols, t * TILE, best + (r0 + r) * TILE, best_col + (r0 + r) * TILE);
                 }
             }
         }
@@ -742,7 +774,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
     int64_t ranges = tiles < RANGES_PER_THREAD * threads ? tiles : RANGES_PER_THREAD * threads;
-    size_t maxima = y ? 0 : (size_t)(ranges * m * 12);
+    size_t maxima = y ? 0 : (size_t)(ranges * m * TILE * 8);
     int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;  /* whole groups */
     size_t need = (size_t)(padded * nb * 8) + maxima + (size_t)(padded * k);
     pthread_mutex_lock(&scratch_lock);
@@ -755,9 +787,9 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
         scratch.data = grown;
         scratch.size = need;
     }
-    int64_t *best_index = scratch.data;  /* 8-byte items first, then the 4-byte ones, then bytes */
-    float *best = (float *)(best_index + (y ? 0 : ranges * m));
-    float *xs = best + (y ? 0 : ranges * m);
+    float *best = scratch.data;  /* 4-byte items first, then bytes */
+    int32_t *best_col = (int32_t *)(best + (y ? 0 : ranges * m * TILE));
+    float *xs = (float *)(best_col + (y ? 0 : ranges * m * TILE));
     int32_t *xo = (int32_t *)(xs + padded * nb);
     int8_t *xq = (int8_t *)(xo + padded * nb);
     quantize_job q = {x, ldx, m, k, xq, xs, xo};
@@ -768,13 +800,17 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     int64_t row_chunk = ROW_CHUNK_BYTES / k;
     row_chunk = row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
     matmul_job j = {f->kernel_for(isa), f->tile_bytes(k), xq, xs, xo, m, k, n, nb, row_chunk, ranges,
-                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_index};
+                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col};
     run_parallel(threads, matmul_part, &j);
-    for (int64_t r = 0; r < m && !y; r++) {  /* ranges in column order: a tie keeps the first column */
-        int64_t top = 0;
-        for (int64_t i = 1; i < ranges; i++)
-            if (best[i * m + r] > best[top * m + r]) top = i;
-        argmax[r] = best_index[top * m + r];
+    for (int64_t r = 0; r < m && !y; r++) {  /* the largest over ranges and lanes; a tie keeps the first column */
+        float top = -INFINITY;
+        int32_t col = INT32_MAX;
+        for (int64_t i = 0; i < ranges * TILE; i++) {
+            float v = best[(i / TILE * m + r) * TILE + i % TILE];
+            int32_t c = best_col[(i / TILE * m + r) * TILE + i % TILE];
+            if (v > top || (v == top && c < col)) top = v, col = c;
+        }
+        argmax[r] = col;
     }
     pthread_mutex_unlock(&scratch_lock);
     return 0;

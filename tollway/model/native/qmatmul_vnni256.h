@@ -3,7 +3,7 @@
    A tile's 16 output rows are two halves of 8 lanes. */
 __attribute__((target(VNNI256_TARGET)))
 static void TILE_VNNI256(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                         int rows, float *out) {
+                         int rows, float *out, const char *ahead, int64_t ahead_step) {
     const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
     for (int half = 0; half < 2; half++) {
         for (int r0 = 0; r0 < rows; r0 += 4) {
@@ -11,6 +11,7 @@ static void TILE_VNNI256(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
+                if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
                 __m256i isum[4];
                 for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)]);
                 for (int g = 0; g < GROUPS; g++) {
