@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tollway.model.decoder import DecoderModel
+from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
@@ -50,6 +50,6 @@ class Gemma3Model(DecoderModel):
         self.final_logit_softcapping = cfg.final_logit_softcapping
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
-        x = self.embed[input_ids] * self.embed_scale
+        x = take_rows(self.embed, input_ids) * self.embed_scale
         x = self.run_layers(x, positions, caches, meta, kernel)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tollway.model.decoder import DecoderModel
+from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
@@ -41,6 +41,6 @@ class LlamaModel(DecoderModel):
         self.lm_head = build("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
-        x = self.embed[input_ids]
+        x = take_rows(self.embed, input_ids)
         x = self.run_layers(x, positions, caches, meta, kernel)
         return self.ops.rms_norm(x, self.final_norm, self.eps)

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
-from tollway.model.decoder import DecoderModel
+from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.host_memory import keep_freed_memory
 from tollway.model.attention_metadata import step_metadata
@@ -63,7 +63,7 @@ class ModelRunner:
         tokens = {}
         if sampled:
             rows = torch.tensor([r for s in sampled for r in logit_rows[s.request_id]], device=self.device)
-            hidden = hidden.index_select(0, rows)
+            hidden = take_rows(hidden, rows)
             argmax = self.model.greedy_tokens(hidden, plan.kernel) if only_argmax_needed(sampled) else None
             if argmax is not None:
                 picked = sample_greedy(argmax, sampled)
