@@ -50,6 +50,6 @@ class Gemma3Model(DecoderModel):
         self.final_logit_softcapping = cfg.final_logit_softcapping
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
-        x = take_rows(self.embed, input_ids) * self.embed_scale
+        x = take_rows(self.embed, input_ids, self.embed_scale)
         x = self.run_layers(x, positions, caches, meta, kernel)
         return self.ops.rms_norm(x, self.final_norm, self.eps)
