@@ -13,11 +13,15 @@
 #endif
 
 /* 1 / rms(x) over n floats, accumulated in double: a fixed order, and exact enough that the
-   order does not matter to the float result in practice. */
+   order does not matter to the float result in practice. Eight running sums (lane i % 8), so
+   the adds do not wait on one another: one chain of n dependent adds cost 8% of a prefill. */
 static float inv_rms(const float *x, int64_t n, float eps) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++)
-        sum += (double)x[i] * x[i];
+    double lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += (double)x[i + l] * x[i + l];
+    for (; i < n; i++) lanes[i % 8] += (double)x[i] * x[i];
+    double sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     return 1.0f / sqrtf((float)(sum / (double)n) + eps);
 }
 
