@@ -414,6 +414,7 @@ typedef struct {
     int8_t *xq;
     float *xs;
     int32_t *xo;
+    int isa;  /* the AVX-512 paths quantize with quantize_row_avx512: the bits tests then compare both */
 } quantize_job;
 
 static void quantize_part(void *ctx, int part, int parts) {
@@ -423,7 +424,7 @@ static void quantize_part(void *ctx, int part, int parts) {
         int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
         void (*quantize)(const float *, int64_t, int8_t *, float *, int32_t *) = quantize_row;
 #if defined(__x86_64__)
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) quantize = quantize_row_avx512;
+        if (j->isa == ISA_AVX512VNNI) quantize = quantize_row_avx512;
 #endif
         quantize(j->x + r * j->ldx, nb, j->xq + group * j->k + i * QBLOCK, j->xs + group * nb + i, j->xo + group * nb + i);
     }
@@ -828,7 +829,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     float *xs = (float *)(best_col + (y ? 0 : ranges * m * TILE));
     int32_t *xo = (int32_t *)(xs + padded * nb);
     int8_t *xq = (int8_t *)(xo + padded * nb);
-    quantize_job q = {x, ldx, m, k, xq, xs, xo};
+    quantize_job q = {x, ldx, m, k, xq, xs, xo, isa};
     if (m * k >= QUANTIZE_PARALLEL)
         run_parallel(threads, quantize_part, &q);
     else
