@@ -1,6 +1,7 @@
 """Engine: the synchronous step loop that ties scheduler, runner and text together."""
 from __future__ import annotations
 
+import gc
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 import os
@@ -80,6 +81,9 @@ class Engine:
         self.load_seconds = time.perf_counter() - started
         self.last_plan: StepPlan | None = None
         self.last_result: StepResult | None = None
+        # What loading built lives as long as the engine: frozen out of the collector's way, so
+        # full collections mid-run skip the tokenizer's tables (they took 1.7% of a prefill).
+        gc.freeze()
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, tier: str = "standard",
