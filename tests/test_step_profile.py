@@ -1,8 +1,11 @@
 """The runner profile that seeds the step-time model, and the model it gives on the real engine."""
 from __future__ import annotations
 
+import json
+
 from tollway.config import EngineConfig, SchedulerConfig
 from tollway.engine import Engine
+from tollway.model.native.qmatmul import q8_library
 from tollway.model.step_profile import profile_key, profile_plans, samples_from_json, samples_to_json
 from tollway.request import SamplingParams
 from tollway.scheduler.step_model import StepShape
@@ -46,6 +49,11 @@ def test_engine_step_model_comes_from_the_runner_and_learns_online(default_weigh
     engine = Engine(config, progress=False, loaded=default_weights)
     model = engine.step_model
     assert model is engine.scheduler.step_model
+    # Remembered under the native build that was timed: a rebuilt kernel gets profiled afresh.
+    remembered = json.loads((tmp_path / "step-profile.json").read_text())
+    build = engine.runner.model.ops.build
+    assert remembered and all(build in key for key in remembered)
+    assert q8_library() is None or ("row_ops-" in build and "qmatmul-" in build)
     coeffs = model.coefficients["q8"]
     # Nothing negative. The fixed cost may fit to 0: rows count in whole row groups, so even a
     # one-token step is charged a group, which already carries it.

@@ -35,6 +35,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std
 
 class TorchRowOps:
     needs_views = True  # reads AttentionMetadata's gathered-key views
+    build = "torch"  # what runs a step: a step profile timed one build, and another times differently
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -80,6 +81,7 @@ class NativeRowOps(TorchRowOps):
     needs_views = False  # reads AttentionMetadata's block tables
 
     def __init__(self, lib: ctypes.CDLL, q8: Q8Library):
+        self.build = f"{Path(lib._name).stem}+{q8.build}"
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
         self._rms_norm = _bind(lib.rms_norm, p, i64, p, f32, i64, i64, p)
         self._add_rms_norm = _bind(lib.add_rms_norm, p, p, p, p, f32, i64, i64, p)

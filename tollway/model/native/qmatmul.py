@@ -39,6 +39,7 @@ class Q8Library:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+        self.build = Path(lib._name).stem  # the cached build's name, which hashes its source and flags
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
