@@ -194,10 +194,11 @@ def create_ingress(fleet) -> FastAPI:
         finally:
             await resp.aclose()
         metrics.failed_streams.labels(str(replica.index)).inc()
+        # Checked before the client hears of it: by then the fleet no longer lists a dead replica as alive.
+        await fleet.check(replica, client)
         error = errors.error_body(500, f"replica {replica.index} failed mid-stream ({why}); the response is incomplete",
                                   code="replica_failed")
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        await fleet.check(replica, client)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def passthrough(path: str, request: Request) -> Response:
