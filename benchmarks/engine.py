@@ -84,8 +84,8 @@ def weight_bytes(model, kernel: str) -> int:
     per = {"q8": 4, "int8": 1, "bf16": 2, "fp32": 4}[kernel]  # q8 where it runs on torch fp32
     total = 0
     for lin in model_linears(model):
-        if kernel == "q8" and lin.q8 is not None:
-            total += lin.q8.data.numel()  # int8 weights and their fp16 scales, packed
+        if kernel == "q8" and lin.native is not None:
+            total += lin.native.data.numel()  # int8 or 4-bit weights and their scales, packed
             continue
         total += lin.out_features * lin.in_features * per
         if kernel == "int8":

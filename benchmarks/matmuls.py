@@ -27,13 +27,13 @@ from tollway.model.native.qmatmul import q8_library  # noqa: E402
 from tollway.model.runner import ModelRunner  # noqa: E402
 from tollway.model.weights import load_weights  # noqa: E402
 
-KERNELS = ("q8", "q4", "int8", "bf16", "fp32")
+KERNELS = ("q8", "int8", "bf16", "fp32")
 FULL = dict(rows=(1, 4, 16, 64), repeats=7)
 QUICK = dict(rows=(1, 64), repeats=3)
 
 
 def weight_bytes(linears, kernel: str) -> int:
-    if kernel in ("q8", "q4"):  # packed, with their scales (q4: the exactly 4-bit weights, the rest q8)
+    if kernel == "q8":  # packed, with their scales (4-bit where the GGUF's blocks are, int8 elsewhere)
         return sum(lin.packed(kernel).data.numel() for lin in linears)
     per = {"int8": 1, "bf16": 2, "fp32": 4}[kernel]
     return sum(lin.out_features * lin.in_features * per for lin in linears)
@@ -69,13 +69,12 @@ def run(settings: dict, quick: bool) -> dict:
             for kernel in KERNELS:
                 samples[kernel].append(matmul_floor_seconds(model, kernel, rows, repeats=1))
             head["logits"].append(best_seconds(lambda: model.lm_head(x, "q8"), 1))
-            head["argmax"].append(best_seconds(lambda: model.lm_head.q8.argmax(x), 1))
+            head["argmax"].append(best_seconds(lambda: model.lm_head.native.argmax(x), 1))
         ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
         q8_s = ms["q8"] / 1e3
         result["rows"][rows] = {
             "ms": ms,
             "q8_speedup": {k: ms[k] / ms["q8"] for k in KERNELS if k != "q8"},
-            "q4_over_bandwidth_floor": ms["q4"] / 1e3 / (result["weight_bytes"]["q4"] / (read_gb_s * 1e9)),
             "q8_over_bandwidth_floor": q8_s / (result["weight_bytes"]["q8"] / (read_gb_s * 1e9)),
             "q8_of_dot_peak": rows * macs_per_row / q8_s / peak,
             "q8_lm_head_ms": {k: statistics.median(v) * 1e3 for k, v in head.items()},
@@ -90,15 +89,15 @@ def markdown(r: dict, raw: str) -> str:
         f"`{raw}`). Every linear layer plus the LM head, one step; read bandwidth {r['read_gb_s']:.1f} GB/s, "
         f"integer dot-product peak {r['dot_peak_gmac_s']:.0f} GMAC/s (a register-only loop).",
         "",
-        "| rows | q8 ms | q4 ms | int8 ms | bf16 ms | fp32 ms | q8 speedup vs q4 / int8 / bf16 / fp32 "
-        "| q8 / bandwidth floor | q4 / its floor | q8 share of dot peak | q8 LM head ms: logits / argmax only |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rows | q8 ms | int8 ms | bf16 ms | fp32 ms | q8 speedup vs int8 / bf16 / fp32 "
+        "| q8 / bandwidth floor | q8 share of dot peak | q8 LM head ms: logits / argmax only |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for rows, row in r["rows"].items():
         ms, up = row["ms"], row["q8_speedup"]
-        lines.append(f"| {rows} | {ms['q8']:.1f} | {ms['q4']:.1f} | {ms['int8']:.1f} | {ms['bf16']:.1f} | {ms['fp32']:.1f} | "
-                     f"{up['q4']:.2f}x / {up['int8']:.1f}x / {up['bf16']:.1f}x / {up['fp32']:.1f}x | "
-                     f"{row['q8_over_bandwidth_floor']:.2f} | {row['q4_over_bandwidth_floor']:.2f} | "
+        lines.append(f"| {rows} | {ms['q8']:.1f} | {ms['int8']:.1f} | {ms['bf16']:.1f} | {ms['fp32']:.1f} | "
+                     f"{up['int8']:.1f}x / {up['bf16']:.1f}x / {up['fp32']:.1f}x | "
+                     f"{row['q8_over_bandwidth_floor']:.2f} | "
                      f"{row['q8_of_dot_peak']:.0%} | "
                      f"{row['q8_lm_head_ms']['logits']:.1f} / {row['q8_lm_head_ms']['argmax']:.1f} |")
     return "\n".join(lines)

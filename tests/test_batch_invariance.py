@@ -18,9 +18,8 @@ PROMPTS = [_TEXTS[i % len(_TEXTS)] + (" and then" * (i // 3)) for i in range(32)
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-# "auto" is the default: q8 on a CPU where the native matmul compiles. The opt-in q4 runs the
-# same engine path with a kernel whose rows are checked batch- and thread-invariant in
-# test_q4matmul.py; a fifth engine pass here would cost minutes of the suite.
+# "auto" is the default: q8 on a CPU where the native matmul compiles (its 4-bit and int8 weight
+# formats both), with the float16 KV cache.
 @pytest.fixture(scope="module", params=["auto", "int8", "fp32"])
 def kernel(request):
     return request.param

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tollway.config import SchedulerConfig
-from tollway.model.runner import ModelRunner
+from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.model.weights import load_weights
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
@@ -32,7 +32,7 @@ def _steps(vocab: int):
 def _run(loaded, tmp_path, fused: bool, threads: int, kv_cache_dtype: str):
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                          torch.device("cpu"), {"q8"}, cache_dir=str(tmp_path), kv_cache_dtype=kv_cache_dtype)
-    assert runner.caches[0].k.dtype == {"auto": torch.float32, "float16": torch.float16}[kv_cache_dtype]
+    assert runner.caches[0].k.dtype == {"float32": torch.float32, "float16": torch.float16}[kv_cache_dtype]
     ops, ran = runner.model.ops, []
     fused_run = ops.run_layers
 
@@ -51,7 +51,7 @@ def _run(loaded, tmp_path, fused: bool, threads: int, kv_cache_dtype: str):
     return [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()} for step in results]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, tmp_path, name, kv_cache_dtype):
     loaded = load_weights(str(tiny_hf_models[name]), progress=False)
@@ -77,3 +77,12 @@ def test_an_unknown_kv_cache_dtype_is_refused(tiny_hf_models):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
         ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                     torch.device("cpu"), {"q8"}, kv_cache_dtype="fp8")
+
+
+def test_the_auto_kv_cache_is_float16_on_the_cpu_but_float32_beside_the_pinned_fp32_kernel():
+    cpu = torch.device("cpu")
+    assert kv_dtype_for(cpu, "auto", {"q8"}) == torch.float16
+    assert kv_dtype_for(cpu, "auto", {"int8", "q8"}) == torch.float16
+    assert kv_dtype_for(cpu, "auto", {"fp32"}) == torch.float32  # it then matches transformers exactly
+    assert kv_dtype_for(torch.device("cuda"), "auto", {"bf16"}) == torch.bfloat16
+    assert kv_dtype_for(cpu, "float32", {"q8"}) == torch.float32

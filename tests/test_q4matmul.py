@@ -1,7 +1,7 @@
 """The native q4 matmul: weights that are exactly 4-bit per block of 32 (w = scale * q - min, as a
 GGUF's Q4_K dequantizes) on every instruction-set path against an exact float64 model, the same
 bits from every path, a row's bits independent of the rows beside it and of the thread count, the
-repacking lossless, and everything else left to q8."""
+repacking lossless, and everything else left to int8 blocks (exact for GGUF's symmetric formats)."""
 from __future__ import annotations
 
 import shutil
@@ -47,13 +47,18 @@ def _inputs(m, k, n, seed=0):
     return x, _dequantized(q, scale, min), (q, scale, min)
 
 
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as qmatmul.c quantizes it, in float64: int8 values [M, K / 32, 32], a scale per block."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
+    return qx, (amax / 127).double()
+
+
 def _model(x: torch.Tensor, q, scale, min) -> tuple[torch.Tensor, torch.Tensor]:
     """The q4 product in float64, and the size of its terms (float32 rounds each of them): x in
     int8 per block of 32 with a float32 scale, exact integer block sums."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    xs = (amax / 127).double()
-    qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
+    qx, xs = _quantized_rows(x)
     sums = torch.einsum("mbi,nbi->mnb", qx, q.view(q.shape[0], -1, 32).double())
     scaled, offset = sums * scale.double(), min.double() * qx.sum(-1).unsqueeze(1)
     terms = xs.unsqueeze(1) * (scaled.abs() + offset.abs())
@@ -121,16 +126,29 @@ def test_q4_k_weights_repack_losslessly(native_library):
     assert ((native_library.pack_q4(w)(x).double() - ref).abs() <= 1e-6 * size + 1e-30).all()
 
 
-def test_the_default_models_q4_k_tensors_run_on_q4_and_the_rest_on_q8(native_library, default_weights):
+def test_the_default_models_tensors_pack_exactly_as_their_gguf_blocks(native_library, default_weights):
+    """q8 packs a Q4_K tensor as 4-bit, and a Q5_0 or Q8_0 one as int8 blocks holding the file's own
+    values: each product is then the exact sum over the GGUF's weights of the quantized activations."""
     t = default_weights.tensors
     q4_k = t["model.layers.0.self_attn.o_proj.weight"]  # Q4_K in the default GGUF
     q5_0 = t["model.layers.0.self_attn.q_proj.weight"]
-    on_q4 = Linear(q4_k, None, {"q4"}, torch.device("cpu"), q8=native_library)
-    assert on_q4.q4 is not None and on_q4.q8 is None and on_q4.fp32 is None
-    on_q8 = Linear(q5_0, None, {"q4"}, torch.device("cpu"), q8=native_library)
-    assert on_q8.q4 is None and on_q8.q8 is not None
+    q8_0 = t["model.layers.0.self_attn.v_proj.weight"]
+    on_q4 = Linear(q4_k, None, {"q8"}, torch.device("cpu"), q8=native_library)
+    assert on_q4.native.kind == "q4" and on_q4.fp32 is None
+    x = torch.randn(3, 1024)
+    assert torch.equal(on_q4(x, "q8"), native_library.pack_q4(q4_k)(x))
     x = torch.randn(3, 640)
-    assert torch.equal(on_q8(x, "q4"), native_library.pack(q5_0)(x))
+    qx, sx = _quantized_rows(x)
+    for w in (q5_0, q8_0):
+        on_q8 = Linear(w, None, {"q8"}, torch.device("cpu"), q8=native_library)
+        assert on_q8.native.kind == "q8"
+        exact = torch.einsum("mbi,nbi->mnb", qx * sx.unsqueeze(-1), w.double().view(w.shape[0], -1, 32)).sum(-1)
+        assert torch.allclose(on_q8(x, "q8").double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    # A weight on no GGUF grid is rounded to int8 blocks: the same product no longer holds exactly.
+    rounded = q5_0 + 1e-4 * torch.randn_like(q5_0)
+    exact = torch.einsum("mbi,nbi->mnb", qx * sx.unsqueeze(-1), rounded.double().view(rounded.shape[0], -1, 32)).sum(-1)
+    off = Linear(rounded, None, {"q8"}, torch.device("cpu"), q8=native_library)(x, "q8").double()
+    assert not torch.allclose(off, exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
 
 
 def test_weights_that_are_not_4bit_stay_on_q8_and_without_the_library_on_fp32(native_library):
@@ -142,12 +160,12 @@ def test_weights_that_are_not_4bit_stay_on_q8_and_without_the_library_on_fp32(na
         exact = _dequantized(torch.zeros(40, 64, dtype=torch.uint8), scale, min)
         exact[5, 9] = bad
         assert native_library.fit_q4(exact) is None
-    mixed = Linear(w, bias, {"q4"}, torch.device("cpu"), q8=native_library)
-    assert mixed.q4 is None and torch.equal(mixed(x, "q4"), native_library.pack(w)(x) + bias)
+    mixed = Linear(w, bias, {"q8"}, torch.device("cpu"), q8=native_library)
+    assert mixed.native.kind == "q8" and torch.equal(mixed(x, "q8"), native_library.pack(w)(x) + bias)
     with pytest.raises(ValueError, match="multiple of 32"):
         native_library.pack_q4(w[:, :40])
-    on_torch = Linear(w, bias, {"q4"}, torch.device("cpu"))
-    assert torch.equal(on_torch(x, "q4"), Linear(w, bias, {"fp32"}, torch.device("cpu"))(x, "fp32"))
+    on_torch = Linear(w, bias, {"q8"}, torch.device("cpu"))
+    assert torch.equal(on_torch(x, "q8"), Linear(w, bias, {"fp32"}, torch.device("cpu"))(x, "fp32"))
 
 
 @pytest.mark.parametrize("m", [1, 17])

@@ -116,11 +116,11 @@ def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(nati
     g = torch.Generator().manual_seed(4)
     w, bias, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(3, 64, generator=g)
     native = Linear(w, bias, {"q8"}, torch.device("cpu"), q8=native_library)
-    assert native.q8 is not None and native.fp32 is None
+    assert native.native is not None and native.fp32 is None
     assert torch.equal(native(x, "q8"), native_library.pack(w)(x) + bias)
     with caplog.at_level(logging.WARNING):
         odd = Linear(w[:, :40], None, {"q8"}, torch.device("cpu"), q8=native_library)
-    assert odd.q8 is None and "not a multiple of 32" in caplog.text
+    assert odd.native is None and "not a multiple of 32" in caplog.text
     assert torch.equal(odd(x[:, :40], "q8"), Linear(w[:, :40], None, {"fp32"}, torch.device("cpu"))(x[:, :40], "fp32"))
     with pytest.raises(ValueError, match="multiple of 32"):
         native_library.pack(w[:, :40])
@@ -128,7 +128,7 @@ def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(nati
     huge[3, 7] = 1e7  # its block's scale would pass fp16's largest
     with caplog.at_level(logging.WARNING):
         beyond = Linear(huge, None, {"q8"}, torch.device("cpu"), q8=native_library)
-    assert beyond.q8 is None and "fp16" in caplog.text
+    assert beyond.native is None and "fp16" in caplog.text
     assert torch.equal(beyond(x, "q8"), Linear(huge, None, {"fp32"}, torch.device("cpu"))(x, "fp32"))
 
 

@@ -49,17 +49,16 @@ def test_fp32_mode_matches_transformers_exactly(make_engine, run_to_completion, 
         assert out.token_ids == ref
 
 
-# Largest fp32 top-2 margin at which a kernel may pick the runner-up. Measured on these
-# prompts: bf16 flipped once at margin 0.017; int8 (per-channel weight requantization)
-# flipped three times, at margins 0.014, 0.041 and 0.21; q8 (weights and activations in int8
-# blocks of 32) twice, at 0.014 and 0.041, agreeing on 62 of 80 tokens (int8: 50); q4 (q8, with
-# the Q4_K tensors exact) once, at 0.014, agreeing on 75.
-NEAR_TIE = {"bf16": 0.1, "int8": 0.5, "q8": 0.1, "q4": 0.1}
+# Largest fp32 top-2 margin at which a kernel may pick the runner-up. Measured on these prompts
+# with the default float16 KV cache: bf16 flipped once, at margin 0.017; int8 (per-channel
+# weight requantization) three times, at 0.014, 0.041 and 0.21; q8 (each GGUF tensor packed
+# exactly, activations in int8 blocks of 32) twice, at 0.012 and 0.041, agreeing on 66 of 80 tokens.
+NEAR_TIE = {"bf16": 0.1, "int8": 0.5, "q8": 0.1}
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "int8", "q8", "q4"])
+@pytest.mark.parametrize("kernel", ["bf16", "int8", "q8"])
 def test_reduced_precision_flips_only_at_near_ties(make_engine, run_to_completion, hf_greedy, kernel):
-    """bf16 weights, int8 weight-only matmuls, or q8 / q4 integer matmuls may flip a greedy choice
+    """bf16 weights, int8 weight-only matmuls, or q8 integer matmuls may flip a greedy choice
     only to the fp32 reference's runner-up, and only where its top-2 margin is small."""
     engine = make_engine(kernel=kernel)
     outs, _ = run_to_completion(engine, [ids for ids, _, _ in hf_greedy],

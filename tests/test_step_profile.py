@@ -49,10 +49,11 @@ def test_engine_step_model_comes_from_the_runner_and_learns_online(default_weigh
     engine = Engine(config, progress=False, loaded=default_weights)
     model = engine.step_model
     assert model is engine.scheduler.step_model
-    # Remembered under the native build that was timed: a rebuilt kernel gets profiled afresh.
+    # Remembered under the native build and KV cache dtype that were timed: a rebuilt kernel, or
+    # a cache that reads twice the bytes, gets profiled afresh.
     remembered = json.loads((tmp_path / "step-profile.json").read_text())
     build = engine.runner.model.ops.build
-    assert remembered and all(build in key for key in remembered)
+    assert remembered and all(build in key and "|torch.float16|" in key for key in remembered)
     assert q8_library() is None or ("row_ops-" in build and "qmatmul-" in build)
     coeffs = model.coefficients["q8"]
     # Nothing negative. The fixed cost may fit to 0: rows count in whole row groups, so even a

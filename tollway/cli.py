@@ -137,7 +137,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                        help="auto: float32 on the CPU, bfloat16 on a GPU; float16 halves attention's reads")
+                        help="auto: float16 on the CPU (float32 under --kernel fp32), bfloat16 on a GPU")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--policy", choices=POLICIES)
     parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")

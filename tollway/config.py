@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KERNELS = ("q8", "q4", "int8", "bf16", "fp32")
+KERNELS = ("q8", "int8", "bf16", "fp32")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 POLICIES = ("lanes", "priority", "fcfs")
 TIERS = ("fast", "standard", "batch")  # in priority order
@@ -79,9 +79,9 @@ class SchedulerConfig:
     max_model_len: int = 8192  # prompt + output, per request
     enable_prefix_caching: bool = True
     # Linear-layer kernel: a fixed name from KERNELS, or "auto" to pick per step by its token count.
-    # q8 is the native integer matmul (int8 blocks of 32; the fp32 matmul where it does not compile);
-    # q4 is q8 with the weights that are exactly 4-bit per 32 (a GGUF's Q4_K) read as such. "auto"
-    # never mixes the two by step size: their numerics differ, so greedy results would depend on the batch.
+    # q8 is the native integer matmul (weights in blocks of 32, each tensor packed as exactly as its
+    # values allow; the fp32 matmul where it does not compile). "auto" never mixes kernels with
+    # different numerics by step size beside it: greedy results would then depend on the batch.
     kernel: str = "auto"
     # With kernel="auto": steps of at most this many tokens use int8 weight-only matmuls,
     # larger steps use `dense_kernel`. None: measured on this machine at the first start, then cached.
@@ -149,9 +149,9 @@ class EngineConfig:
     device: str = "auto"  # "cpu", "cuda", or "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
     cache_dir: str | None = None  # converted-weights cache; None = the user's cache directory
-    # auto: float32 on the CPU (greedy output then stays within test_reference's bounds of
-    # transformers), bfloat16 on a GPU. float16 halves the bytes attention reads and the KV
-    # memory; with q8 it moved one greedy flip to a top-2 margin of 0.107 on the reference prompts.
+    # auto: float16 on the CPU (half the bytes attention reads, and half the KV memory, of
+    # float32), float32 under the pinned fp32 kernel (which then matches transformers exactly),
+    # bfloat16 on a GPU.
     kv_cache_dtype: str = "auto"
     # Time synthetic steps at the first start (then remembered) to seed the step-time model
     # that shapes steps under the lanes policy. Off: no time-based shaping.

@@ -70,7 +70,7 @@ class Engine:
                 bar.set_description("profiling steps")
                 samples = remembered(
                     cache_root(config.cache_dir) / "step-profile.json",
-                    f"{loaded.source}|{self.runner.model.ops.build}|{profile_key(sched)}",
+                    f"{loaded.source}|{self.runner.model.ops.build}|{self.runner.kv_dtype}|{profile_key(sched)}",
                     lambda: samples_to_json(profile_step_times(self.runner, sched, progress=progress)))
                 self.step_model = StepTimeModel.fit(samples_from_json(samples))
             bar.update()

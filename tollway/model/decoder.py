@@ -54,7 +54,7 @@ class DecoderModel:
 
     def greedy_tokens(self, hidden: torch.Tensor, kernel: str) -> list[int] | None:
         """Each row's argmax of `logits(hidden, kernel)`, from the LM head's fused epilogue where
-        it has one (q8 and q4 on the CPU), without writing the logits; None where it has not. The same
+        it has one (q8 on the CPU), without writing the logits; None where it has not. The same
         tokens either way: the same matmul, and the first column on ties, as torch.argmax. Not
         under softcapping: tanh can round two different logits to one value."""
         head, native = self.lm_head, self.lm_head.packed(kernel)

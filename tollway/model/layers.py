@@ -39,10 +39,10 @@ def norm_weight(weight: torch.Tensor, offset: float, device: torch.device) -> to
 class Linear:
     """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick.
 
-    q8 and q4 are the native integer matmuls (native/qmatmul.py) when `q8` (the library) is given
-    and in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for them.
-    q4 only takes weights that are exactly 4-bit per block of 32 (a GGUF's Q4_K tensors): a q4 step
-    runs the others on q8, so it never changes a weight."""
+    q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given and
+    in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for it. Its
+    copy is packed as exactly as the weight allows: 4-bit with a scale and min per block of 32 where
+    every block is so (a GGUF's Q4_K), else int8 blocks (exact for Q8_0, Q5_0 and Q4_0)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
                  int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None,
@@ -50,34 +50,30 @@ class Linear:
         w = weight.float()
         self.out_features, self.in_features = w.shape
         self.bias = bias.float().to(device) if bias is not None else None
-        self.q4 = self._packed("q4", q8.pack_q4, w, arena) if "q4" in kernels and q8 is not None else None
-        needs_q8 = "q8" in kernels or ("q4" in kernels and self.q4 is None)
-        self.q8 = self._packed("q8", q8.pack, w, arena) if needs_q8 and q8 is not None else None
-        self.fp32 = w.to(device) if "fp32" in kernels or (needs_q8 and self.q8 is None) else None
+        self.native = self._packed(q8, w, arena) if "q8" in kernels and q8 is not None else None
+        self.fp32 = w.to(device) if "fp32" in kernels or ("q8" in kernels and self.native is None) else None
         self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
         if "int8" in kernels:
             q, scales = int8 if int8 is not None else quantize_int8(w)
             self.int8, self.int8_scales = q.to(device), scales.to(device)
 
-    def _packed(self, kernel: str, pack, w: torch.Tensor, arena: HugePageArena | None):
+    def _packed(self, q8: Q8Library, w: torch.Tensor, arena: HugePageArena | None):
         try:
-            return pack(w, arena)
+            return q8.pack_q4(w, arena) or q8.pack(w, arena)
         except ValueError as exc:  # shapes or values the kernel does not cover
-            _log.warning("%s: a %dx%d linear runs the fp32 matmul: %s", kernel, self.out_features, self.in_features, exc)
+            _log.warning("q8: a %dx%d linear runs the fp32 matmul: %s", self.out_features, self.in_features, exc)
             return None
 
     def packed(self, kernel: str):
         """The native weight copy `kernel` runs on, or None."""
-        if kernel == "q4" and self.q4 is not None:
-            return self.q4
-        return self.q8 if kernel in ("q8", "q4") else None
+        return self.native if kernel == "q8" else None
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         native = self.packed(kernel)
         if native is not None:
             y = native(x)
-        elif kernel in ("fp32", "q8", "q4"):
+        elif kernel in ("fp32", "q8"):
             y = _padded_rows(x, lambda rows: F.linear(rows, self.fp32))
         elif kernel == "bf16":
             y = F.linear(x.to(torch.bfloat16), self.bf16).float()

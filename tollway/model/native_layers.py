@@ -1,4 +1,4 @@
-"""A step's decoder layers in one native call (row_ops.c's `decoder_layers`) for q8 and q4 steps.
+"""A step's decoder layers in one native call (row_ops.c's `decoder_layers`) for q8 steps.
 
 The layer classes (gemma3.py, llama.py) run a layer as about ten calls: norms, matmuls, RoPE,
 attention. At batch 1 the Python and ctypes between those calls cost more than the row-wise

@@ -104,6 +104,21 @@ static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f
 /* ---- packing weights ---- */
 
 /* Returns how many of the tile's blocks have a scale past fp16's range (or NaN weights). */
+/* A block's fp16 scale: amax / 127, unless the block lies exactly on a coarser grid of GGUF's
+   symmetric formats (Q5_0: amax / 16, Q4_0: amax / 8) that 127 steps would round off. Its int8
+   values are then the GGUF's own, and a matmul on them is as exact as the file. */
+static uint16_t exact_scale(const float *src, float amax) {
+    static const float tops[] = {127.0f, 16.0f, 8.0f};
+    for (int t = 0; t < (int)(sizeof tops / sizeof tops[0]); t++) {
+        uint16_t half = float_to_half(amax / tops[t]);
+        float d = half_to_float(half);
+        int exact = d > 0.0f;
+        for (int i = 0; i < QBLOCK && exact; i++) exact = round_even(src[i] / d) * d == src[i];
+        if (exact) return half;
+    }
+    return float_to_half(amax / 127.0f);
+}
+
 static int64_t pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_t *out) {
     int64_t nb = k / QBLOCK, overflows = 0;
     uint16_t *scales = (uint16_t *)(out + nb * BLOCK_BYTES);
@@ -119,7 +134,7 @@ static int64_t pack_tile(const float *w, int64_t n, int64_t k, int64_t t, uint8_
                     float a = fabsf(src[i]);
                     amax = a > amax ? a : amax;
                 }
-                half = float_to_half(amax / 127.0f);
+                half = exact_scale(src, amax);
                 overflows += (half & 0x7c00) == 0x7c00;
                 float d = half_to_float(half), inv = d > 0.0f ? 1.0f / d : 0.0f;
                 for (int i = 0; i < QBLOCK; i++) {

@@ -174,9 +174,9 @@ def _bind(fn, restype, *argtypes):
 @functools.lru_cache(maxsize=None)
 def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
     """The integer matmul built for this machine, once per process; None without a working C
-    compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 and q4 kernels then run on torch."""
+    compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 kernel then runs on torch."""
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
     lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS,
-                           fallback="torch fp32 for the q8 and q4 kernels")
+                           fallback="torch fp32 for the q8 kernel")
     return Q8Library(ctypes.CDLL(str(lib))) if lib else None
