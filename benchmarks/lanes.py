@@ -159,7 +159,7 @@ def fast_steps_of(steps: list[dict]) -> list[dict]:
 
 def shaping(run: dict, target: float) -> dict:
     """How the steps that carried fast decodes used the fast target's time. A plan is fitted to
-    its budget: the target in predicted seconds, i.e. shrunk by the step model's recent p97
+    its budget: the target in predicted seconds, i.e. shrunk by the step model's recent p98
     overrun, so that measured steps meet the target."""
     fast_steps = fast_steps_of(run["steps"])
     crowded = [x for x in fast_steps if x["standard_waiting"] and x["budget"] is not None]
@@ -398,7 +398,7 @@ def markdown(r: dict, raw: str, png: str) -> str:
         f"{f(s['fast_ttft_p99_over_idle'])}× idle (≤ 2); of {sh['crowded_steps']} fast steps with standard work waiting, "
         f"{f(s['planned_fill_at_least_90pct'], '.0%')} were planned to ≥ 90% of their budget (mean planned fill "
         f"{f(sh['planned_fill_mean'], '.0%')}; the budget averaged {f(sh['budget_over_target_mean'], '.0%')} of the "
-        f"target after the step model's p97 overrun, and measured steps filled {f(sh['measured_fill_mean'], '.0%')} of "
+        f"target after the step model's p98 overrun, and measured steps filled {f(sh['measured_fill_mean'], '.0%')} of "
         f"the target); {f(s['measured_within_target'], '.0%')} of the {sh['planned_within_budget']} fast steps planned "
         f"within their budget measured within the target (≥ 95%; {sh['fast_steps'] - sh['planned_within_budget']} more "
         f"were planned past it to give a newly arrived fast prompt its first block, and counting them "

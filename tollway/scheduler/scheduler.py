@@ -80,11 +80,11 @@ class _Step:
             return None
         return self.seconds / self.headroom.get(kernel, 1.0)
 
-    def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool) -> int:
+    def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool, at_least: int = 0) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
         `must` (a fast request) gets at least one block's worth even past the time budget, and
-        all it can while no fast request decodes (its time to first token is what counts then);
-        so does the step's first sequence."""
+        `at_least` tokens, and all it can while no fast request decodes (its time to first token
+        is what counts then); the step's first sequence gets a block's worth too."""
         n = min(remaining, self.tokens_left)
         if n <= 0 or self.num_seqs >= self.sched.config.max_num_seqs:
             return 0
@@ -102,7 +102,7 @@ class _Step:
         # budget: fast is never starved, and a step that nothing fits would run empty forever
         # (waiting shrinks no step), while the work it turned away never ran.
         if must or not self.num_seqs:
-            lo = max(lo, min(n, self.sched.pool.block_size))
+            lo = max(lo, min(n, max(self.sched.pool.block_size, at_least if must else 0)))
         return lo
 
     def fits(self, start: int, n: int, logit_rows: int) -> bool:
@@ -310,7 +310,7 @@ class Scheduler:
             if kind == "run":
                 for request in self._with_coasting(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
-                        self._continue(request, step, preempted)
+                        self._continue(request, step, preempted, now)
             # Admitting right after preempting would only hand the freed blocks to a newcomer
             # and thrash; vLLM makes the same call. Fast is the exception: it preempts to get in.
             elif kind == "admit fast" or not preempted:
@@ -649,13 +649,25 @@ class Scheduler:
 
     # ---- mechanics ----------------------------------------------------------------------
 
-    def _continue(self, request: Request, step: _Step, preempted: list[str]) -> None:
+    def _continue(self, request: Request, step: _Step, preempted: list[str], now: float) -> None:
         start = request.num_computed_tokens
         must = self.policy == "lanes" and request.tier == "fast"
-        n = step.chunk(start, request.num_tokens - start, True, must)
+        remaining = request.num_tokens - start
+        n = step.chunk(start, remaining, True, must, self._fast_prefill_share(request, remaining, now) if must else 0)
         drafts = self._drafts(request, step) if must and n == 1 and start == request.num_tokens - 1 else []
         if n and self._make_room(request, start + n + len(drafts), preempted):
             step.add(self._schedule(request, n, drafts))
+
+    def _fast_prefill_share(self, request: Request, remaining: int, now: float) -> int:
+        """Tokens of a fast prompt's prefill this step takes even past the TPOT target that
+        fast decodes hold it to: the fast steps left before its TTFT target (a TPOT target
+        each) share what remains, so the prompt is not cut into chunks that each pay a whole
+        step's fixed cost and finish it past that target."""
+        fast = self.tiers["fast"]
+        if remaining <= 1 or not fast.ttft_target or not fast.tpot_target:
+            return 0
+        steps = int((fast.ttft_target - (now - request.arrival_time)) / fast.tpot_target)
+        return remaining if steps <= 1 else -(-remaining // steps)
 
     def _drafts(self, request: Request, step: _Step) -> list[int]:
         """n-gram drafts for a fast decode, as many as pay off (see speculation.py)."""
@@ -689,7 +701,8 @@ class Scheduler:
             # At least one token is always left to compute, so the step yields logits.
             cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, self._block_hashes[rid])
             self._held[request.tier] += len(self.pool.table(rid))
-            n = step.chunk(cached, request.num_tokens - cached, True, must=force)
+            remaining = request.num_tokens - cached
+            n = step.chunk(cached, remaining, True, force, self._fast_prefill_share(request, remaining, now) if force else 0)
             if n == 0:
                 self._release(request)
                 return
