@@ -100,7 +100,7 @@ def test_the_default_cpu_kernel_is_q8_and_its_fused_greedy_head_picks_the_logits
     engine = make_engine()
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     fused, plans = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert {p.kernel for p in plans} == {"q8"} and engine.runner.model.lm_head.q8 is not None
+    assert {p.kernel for p in plans} == {"q8"} and engine.runner.model.lm_head.native is not None
     logits, _ = run_to_completion(engine, prompts,
                                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
     assert [o.token_ids for o in fused] == [o.token_ids for o in logits]
