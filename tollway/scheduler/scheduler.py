@@ -83,8 +83,8 @@ class _Step:
     def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool, at_least: int = 0) -> int:
         """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
         `must` (a fast request) gets at least one block's worth even past the time budget, and
-        `at_least` tokens, and all it can while no fast request decodes (its time to first token
-        is what counts then); the step's first sequence gets a block's worth too."""
+        `at_least` tokens (given only to it), and all it can while no fast request decodes (its
+        time to first token is what counts then); the step's first sequence gets a block's worth too."""
         n = min(remaining, self.tokens_left)
         if n <= 0 or self.num_seqs >= self.sched.config.max_num_seqs:
             return 0
@@ -102,7 +102,7 @@ class _Step:
         # budget: fast is never starved, and a step that nothing fits would run empty forever
         # (waiting shrinks no step), while the work it turned away never ran.
         if must or not self.num_seqs:
-            lo = max(lo, min(n, max(self.sched.pool.block_size, at_least if must else 0)))
+            lo = max(lo, min(n, max(self.sched.pool.block_size, at_least)))
         return lo
 
     def fits(self, start: int, n: int, logit_rows: int) -> bool:
