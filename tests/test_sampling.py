@@ -6,18 +6,23 @@ import math
 import pytest
 import torch
 
-from tollway.model.sampling import sample
+from tollway.model.sampling import native_draw, sample
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq
+
+NATIVE = native_draw()
+# Every sampled-row test runs on both draws: torch's, and sampling.c's where it compiled.
+DRAWS = pytest.mark.parametrize("draw", [None, pytest.param(NATIVE, id="native", marks=pytest.mark.skipif(
+    NATIVE is None, reason="sampling.c did not compile"))], ids=["torch", "native"])
 
 
 def _seq(params: SamplingParams, position: int = 10, rid: str = "r") -> ScheduledSeq:
     return ScheduledSeq(rid, "standard", (1,), position - 1, (0,), True, params)
 
 
-def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0, draw=None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.tensor([sample(logits.unsqueeze(0), [_seq(params)], gen)[0][0].token_id for _ in range(n)])
+    return torch.tensor([sample(logits.unsqueeze(0), [_seq(params)], gen, draw)[0][0].token_id for _ in range(n)])
 
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -30,38 +35,43 @@ def test_greedy_picks_argmax_per_row():
     assert got == logits.argmax(dim=-1).tolist()
 
 
-def test_temperature_sampling_follows_softmax():
+@DRAWS
+def test_temperature_sampling_follows_softmax(draw):
     n = 4000
-    counts = torch.bincount(_draws(LOGITS, SamplingParams(temperature=1.0), n), minlength=6).float()
+    counts = torch.bincount(_draws(LOGITS, SamplingParams(temperature=1.0), n, draw=draw), minlength=6).float()
     expected = torch.softmax(LOGITS, dim=-1) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 25  # 5 degrees of freedom: p < 1e-4 that a correct sampler lands here
 
 
-def test_low_temperature_concentrates():
-    draws = _draws(LOGITS, SamplingParams(temperature=0.05), 200)
+@DRAWS
+def test_low_temperature_concentrates(draw):
+    draws = _draws(LOGITS, SamplingParams(temperature=0.05), 200, draw=draw)
     assert (draws == 0).all()
 
 
-def test_top_k_restricts_support():
-    draws = _draws(LOGITS, SamplingParams(temperature=5.0, top_k=2), 500)
+@DRAWS
+def test_top_k_restricts_support(draw):
+    draws = _draws(LOGITS, SamplingParams(temperature=5.0, top_k=2), 500, draw=draw)
     assert set(draws.tolist()) == {0, 1}
 
 
-def test_top_p_keeps_smallest_prefix_reaching_p():
+@DRAWS
+def test_top_p_keeps_smallest_prefix_reaching_p(draw):
     probs = torch.softmax(LOGITS, dim=-1)  # ~[.56, .21, .13, .08, .03, .004]
     p = float(probs[0] + probs[1]) - 1e-3  # needs tokens 0 and 1, not 2
-    draws = _draws(LOGITS, SamplingParams(temperature=1.0, top_p=p), 600)
+    draws = _draws(LOGITS, SamplingParams(temperature=1.0, top_p=p), 600, draw=draw)
     assert set(draws.tolist()) == {0, 1}
 
 
-def test_seed_gives_same_tokens_whatever_the_generator():
+@DRAWS
+def test_seed_gives_same_tokens_whatever_the_generator(draw):
     params = SamplingParams(temperature=1.0, seed=1234)
-    a = _draws(LOGITS, params, 20, seed=1)
-    b = _draws(LOGITS, params, 20, seed=2)
+    a = _draws(LOGITS, params, 20, seed=1, draw=draw)
+    b = _draws(LOGITS, params, 20, seed=2, draw=draw)
     assert torch.equal(a, b)
     # ...and a different position draws independently.
-    other = [sample(LOGITS.unsqueeze(0), [_seq(params, position=p)], torch.Generator())[0][0].token_id
+    other = [sample(LOGITS.unsqueeze(0), [_seq(params, position=p)], torch.Generator(), draw)[0][0].token_id
              for p in range(40)]
     assert len(set(other)) > 1
 
@@ -108,15 +118,55 @@ def test_top_p_without_a_sort_keeps_what_the_sorted_definition_keeps(spread, top
     assert torch.equal(kept[~torch.isinf(kept)], scaled[~torch.isinf(want)])
 
 
-def test_a_large_vocabulary_is_sampled_by_its_softmax():
+@DRAWS
+def test_a_large_vocabulary_is_sampled_by_its_softmax(draw):
     """The draw inverts the running sum at one uniform: counts over 3,000 tokens follow softmax."""
     logits = torch.randn(3000, generator=torch.Generator().manual_seed(5))
     logits[:4] = torch.tensor([6.0, 5.5, 5.0, 4.0])  # most of the mass in a few tokens
     n = 3000
-    draws = _draws(logits, SamplingParams(temperature=1.0), n)
+    draws = _draws(logits, SamplingParams(temperature=1.0), n, draw=draw)
     probs = torch.softmax(logits, dim=-1)
     counts = torch.bincount(draws, minlength=3000).float()
     head = counts[:4], probs[:4] * n
     rest = torch.stack([counts[4:].sum(), probs[4:].sum() * n])
     observed, expected = torch.cat([head[0], rest[:1]]), torch.cat([head[1], rest[1:]])
     assert float(((observed - expected) ** 2 / expected).sum()) < 23  # 4 degrees of freedom: p < 1e-4
+
+
+@pytest.mark.skipif(NATIVE is None, reason="sampling.c did not compile")
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0), dict(temperature=0.7, top_k=40), dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.3, top_k=500, top_p=0.8), dict(temperature=0.5, top_p=0.999),
+], ids=["t", "top_k", "top_p", "both", "flat_top_p"])
+def test_the_native_draw_picks_the_token_torch_picks_from_the_same_uniform(params):
+    """One row per seed over a 262k vocabulary, as the LM head gives it, some tokens banned: the
+    two draws invert the same distribution at the same uniform, so they agree but for a uniform
+    that lands within rounding of a boundary between two tokens (of 262k nearly equal ones here)."""
+    rows, vocab = 24, 262_144
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    logits[:, :8] += torch.linspace(6, 2, 8)  # a few likely tokens, as a language model has
+    seqs = [_seq(SamplingParams(seed=i, **params), rid=str(i)) for i in range(rows)]
+    seqs[0] = seqs[0]._replace(banned_token_ids=(0, 1))
+    want = [t.token_id for [t] in sample(logits.clone(), seqs, torch.Generator())]
+    got = [t.token_id for [t] in sample(logits.clone(), seqs, torch.Generator(), NATIVE)]
+    assert sum(a != b for a, b in zip(want, got)) <= 2
+    assert got[0] not in (0, 1)
+    if params.get("top_k"):
+        kept = set(torch.topk(logits, params["top_k"]).indices.flatten().tolist())
+        assert set(got) <= kept
+
+
+@pytest.mark.skipif(NATIVE is None, reason="sampling.c did not compile")
+def test_a_seeded_row_draws_the_same_token_alone_or_in_a_batch():
+    logits = torch.randn(64, 5000, generator=torch.Generator().manual_seed(3))
+    seqs = [_seq(SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i), rid=str(i)) for i in range(64)]
+    batched = [t.token_id for [t] in sample(logits.clone(), seqs, torch.Generator(), NATIVE)]
+    alone = [sample(logits[i:i + 1].clone(), [seqs[i]], torch.Generator(), NATIVE)[0][0].token_id for i in range(64)]
+    assert batched == alone and len(set(batched)) > 10
+
+
+def test_without_a_compiler_sampling_runs_on_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert native_draw(tmp_path) is None
+    assert "sampling.c" in caplog.text and "torch for sampling" in caplog.text

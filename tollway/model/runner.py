@@ -19,7 +19,7 @@ from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
 from tollway.model.native.qmatmul import q8_library
 from tollway.model.row_ops import row_ops_for
-from tollway.model.sampling import only_argmax_needed, sample, sample_greedy
+from tollway.model.sampling import native_draw, only_argmax_needed, sample, sample_greedy
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 
 ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
@@ -49,6 +49,7 @@ class ModelRunner:
                                model_config.head_dim, self.kv_dtype, device) for _ in range(model_config.num_layers)]
         self.window = model_config.sliding_window if "sliding" in model_config.layer_types else None
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.draw = native_draw(cache_dir) if device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -68,7 +69,7 @@ class ModelRunner:
             if argmax is not None:
                 picked = sample_greedy(argmax, sampled)
             else:
-                picked = sample(self.model.logits(hidden, plan.kernel), sampled, self.generator)
+                picked = sample(self.model.logits(hidden, plan.kernel), sampled, self.generator, self.draw)
             for seq, kept in zip(sampled, picked):
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
