@@ -134,11 +134,12 @@ def profile_step(engine: Engine) -> dict:
     }
 
 
-def tollway_decode(engine: Engine, b: int, prompt_len: int, new_tokens: int, seed: int, floor_sample=None) -> dict:
+def tollway_decode(engine: Engine, b: int, prompt_len: int, new_tokens: int, seed: int, floor_sample=None,
+                   temperature: float = 0.0) -> dict:
     """`floor_sample()` runs (untimed) after every few full-width steps: floors measured between
     the steps see the same machine as the steps, which a noisy machine otherwise denies."""
     every = max(2, new_tokens // 8)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True)
     for ids in random_prompts(b, prompt_len, seed, engine.model_config.vocab_size):
         engine.add_request(ids, params)
     steps, full_width_seen, profiled = [], 0, None
@@ -282,6 +283,12 @@ def run(settings: dict, quick: bool) -> dict:
             k: {"seconds": statistics.median(v) if v else result["floors"][b]["kernels"][k]["seconds"], "samples": v}
             for k, v in samples.items()}
 
+    # The OpenAI API's default, temperature 1: every row drawn from the full vocabulary.
+    result["sampled"] = {}
+    for i, b in enumerate(settings["batches"]):
+        run = tollway_decode(engine, b, settings["prompt_len"], settings["new_tokens"], seed=i, temperature=1.0)
+        result["sampled"][b] = {k: v for k, v in run.items() if k != "steps"}
+
     print("prefill ...", file=sys.stderr)
     result["prefill_floor"] = prefill_floor(torch_kernels.runner.model, settings["prefill_len"])
     result["prefill"] = tollway_prefill(engine, settings["prefill_len"], settings["prefill_runs"])
@@ -319,6 +326,7 @@ def summarize(r: dict) -> dict:
             "step_over_read_floor": dec["median_step_seconds"] / (dec["bytes_read"]["total"] / (r["roofline"]["read_gb_s"] * 1e9)),
             "of_dot_peak": (dec["macs"] / dec["median_step_seconds"] / r["roofline"]["dot_peak_mac_s"]
                             if r["roofline"]["dot_peak_mac_s"] else None),
+            "sampled_step_over_greedy": r["sampled"][b]["median_step_seconds"] / dec["median_step_seconds"],
         }
         for d, run in hf.items():
             rows[b][f"vs_transformers_{d}"] = dec["tok_s"] / run["tok_s"]
@@ -392,6 +400,9 @@ def markdown(r: dict, raw: str) -> str:
             + " | ".join(f"{runs[d]['tok_s']:.1f} / {runs[d]['median_tok_s']:.1f}" for d in runs) + " | "
             + " | ".join(f"{row[f'vs_transformers_{d}']:.2f} / {row[f'vs_transformers_{d}_median']:.2f}" for d in runs)
             + " |")
+    lines += ["", "Sampling at temperature 1 (the OpenAI default), each step's time over a greedy step's: "
+              + ", ".join(f"b{b} {row['sampled_step_over_greedy']:.2f}x ({ms(r['sampled'][b]['median_step_seconds'])} ms)"
+                          for b, row in s["decode"].items()) + "."]
     pre, pf = r["prefill"], r["prefill_floor"]
     lines += [
         "",
