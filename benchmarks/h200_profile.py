@@ -41,7 +41,7 @@ from common import machine_info, write_readme  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
-from tollway.model.model_config import ModelConfig  # noqa: E402
+from tollway.model_config import ModelConfig  # noqa: E402
 from tollway.model.weights import expected_tensor_shapes  # noqa: E402
 from tollway.sim import hardware as hw  # noqa: E402
 

@@ -36,8 +36,8 @@ from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
-from tollway.model.tokenizer import Tokenizer  # noqa: E402
-from tollway.model.weights import tokenizer_path  # noqa: E402
+from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.checkpoint import tokenizer_path  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 
 MODEL = "gemma3-270m"

@@ -24,7 +24,7 @@ from common import machine_info, run_benchmark  # noqa: E402
 from tollway.bench.load import Limits, Profile  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import load_config  # noqa: E402
-from tollway.model.weights import model_config  # noqa: E402
+from tollway.checkpoint import model_config  # noqa: E402
 from tollway.sim.hardware import analytic_profile, hardware  # noqa: E402
 from tollway.sim.simulator import Simulator  # noqa: E402
 

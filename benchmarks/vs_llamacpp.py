@@ -52,8 +52,8 @@ from common import machine_info, run_benchmark, targets_line  # noqa: E402
 from tollway.bench.load import Limits, Profile  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
-from tollway.model.tokenizer import Tokenizer  # noqa: E402
-from tollway.model.weights import DEFAULT_MODEL, cache_root, resolve_model, tokenizer_path  # noqa: E402
+from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.checkpoint import DEFAULT_MODEL, cache_root, resolve_model, tokenizer_path  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is the peer; bump to move the peer on
 PEER_TARGETS = ("llama-server", "llama-batched-bench")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tollway.model.tokenizer import Tokenizer
+from tollway.text.tokenizer import Tokenizer
 from tollway.model.weights import LoadedModel, load_weights
 
 from postgres_server import postgres, store_target  # noqa: F401 -- fixtures: one server for the session

@@ -13,7 +13,7 @@ from tollway.bench.stats import SLO
 from tollway.bench.workload import Lengths, Workload
 from tollway.cli import main
 from tollway.config import SchedulerConfig
-from tollway.model.model_config import ModelConfig
+from tollway.model_config import ModelConfig
 from tollway.sim.hardware import HARDWARE, analytic_profile, step_seconds
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.planner import candidate_config, plan

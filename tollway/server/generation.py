@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
-from tollway.model.tokenizer import Tokenizer
+from tollway.text.tokenizer import Tokenizer
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
 from tollway.scheduler.scheduler import QueueFullError

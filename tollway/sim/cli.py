@@ -68,7 +68,7 @@ def _machine(args):
 
 
 def _estimate(name: str, model: str):
-    from tollway.model.weights import model_config
+    from tollway.checkpoint import model_config
     from tollway.sim.hardware import analytic_profile, hardware
 
     spec = hardware(name)  # an unknown name fails before the model is read

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tollway.model.model_config import ModelConfig
+from tollway.model_config import ModelConfig
 from tollway.sim.machine_profile import MachineProfile
 
 # Achieved fractions of peak, typical of well-tuned inference kernels (vLLM/SGLang decode

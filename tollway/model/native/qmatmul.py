@@ -20,7 +20,7 @@ import torch
 
 from tollway.model.host_memory import HugePageArena
 from tollway.model.native.build import compiled_library
-from tollway.model.weights import cache_root
+from tollway.checkpoint import cache_root
 
 _log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent

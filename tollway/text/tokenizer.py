@@ -150,9 +150,9 @@ def save_gguf_tokenizer(gguf_path: Path, reader: GGUFReader, folder: Path) -> bo
     GGUF file's metadata into `folder`. Returns False when the file has no tokenizer. Slow (seconds)."""
     if "tokenizer.ggml.tokens" not in reader.fields:
         return False
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer
 
-    architecture, spec, config = get_gguf_tokenizer(str(gguf_path))
+    architecture, spec, config = _gguf_tokenizer_spec(reader)
     backend, _ = convert_gguf_tokenizer(architecture, spec)
     bos, eos = config.get("bos_token"), config.get("eos_token")
     # The converter leaves BOS/EOS insertion to the transformers class around it; put it in tokenizer.json.
@@ -169,6 +169,28 @@ def save_gguf_tokenizer(gguf_path: Path, reader: GGUFReader, folder: Path) -> bo
                if key in reader.fields]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
     return True
+
+
+_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                      "pad_token": "padding_token_id"}
+
+
+def _gguf_tokenizer_spec(reader: GGUFReader) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(architecture, tokenizer fields, tokenizer config) as transformers' get_gguf_tokenizer gives
+    them, read with the gguf package's reader: transformers' own loads torch."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
+
+    fields = reader.fields
+    grouped = {group: {name: fields[f"tokenizer.{key}"].contents() for key, name in renames.items()
+                       if f"tokenizer.{key}" in fields}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # older files have no flag; llama.cpp adds BOS
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][field.contents()] if field is not None else None
+    return fields["general.architecture"].contents(), tokenizer, config
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""The scheduler, the simulator, the load generator and the text layer never import torch or
+tollway.model: `tollway simulate` and `tollway bench` run on a machine without torch, and the
+scheduler stays a plain-Python description of a step. Checked in a fresh interpreter: modules
+are imported where importing either raises, and the commands are run and then asked whether
+either was loaded (transformers, which converts a GGUF's tokenizer, probes for torch)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+BLOCKER = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class Blocked(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] == "torch" or name == "tollway.model" or name.startswith("tollway.model."):
+                raise ImportError(f"{name} is blocked here")
+
+    sys.meta_path.insert(0, Blocked())
+""")
+
+
+def _run(body: str, *args: str, block: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", (BLOCKER if block else "") + textwrap.dedent(body), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_blocker_blocks():
+    done = _run("import torch")
+    assert done.returncode != 0 and "torch is blocked here" in done.stderr
+
+
+def test_scheduler_sim_bench_and_text_import_without_torch():
+    done = _run("""
+        import importlib, pkgutil
+        import tollway.bench, tollway.scheduler, tollway.sim, tollway.text
+        names = ["tollway.checkpoint", "tollway.model_config", "tollway.cli"]
+        for package in (tollway.bench, tollway.scheduler, tollway.sim, tollway.text):
+            names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+        for name in names:
+            importlib.import_module(name)
+        print(len(names))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) >= 30
+
+
+def test_simulate_on_a_hardware_estimate_and_the_default_tokenizer_run_without_torch(tmp_path):
+    """The two paths that used to load torch: the model's shapes for --hardware, and the tokenizer
+    bench measures prompts with (read from the GGUF alone, into an empty cache)."""
+    done = _run("""
+        import json, sys
+        from tollway.checkpoint import tokenizer_path
+        from tollway.cli import main
+        from tollway.text.tokenizer import Tokenizer
+
+        out, cache = sys.argv[1], sys.argv[2]
+        code = main(["simulate", "--hardware", "H200", "--rate", "20", "--max-requests", "30",
+                     "--output-tokens", "8", "--output", out, "--quiet"])
+        folder = tokenizer_path(None, cache)
+        ids = Tokenizer.load(folder).encode("Hello there")
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("tollway.model."))
+        print(json.dumps({"code": code, "folder": str(folder), "ids": len(ids), "loaded": loaded}))
+    """, str(tmp_path / "sim"), str(tmp_path / "cache"), block=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0 and result["ids"] >= 2 and result["loaded"] == []
+    assert (tmp_path / "sim" / "bench.json").is_file()
+    # only the tokenizer was written: no converted weights
+    assert result["folder"].startswith(str(tmp_path / "cache"))
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
