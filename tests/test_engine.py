@@ -104,3 +104,24 @@ def test_the_default_cpu_kernel_is_q8_and_its_fused_greedy_head_picks_the_logits
     logits, _ = run_to_completion(engine, prompts,
                                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
     assert [o.token_ids for o in fused] == [o.token_ids for o in logits]
+
+
+def test_what_the_server_reads_follows_the_requests(engine):
+    """The engine's read-only surface (occupancy, lanes, queued work) as requests wait, run
+    and finish: the server and the fleet read nothing else."""
+    assert engine.max_model_len == engine.config.scheduler.max_model_len
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    fast = engine.add_request([5] * 20, params, tier="fast")
+    standard = engine.add_request([6] * 10, params)
+    assert engine.tier_of(fast) == "fast" and engine.tier_of(standard) == "standard"
+    assert engine.tier_of("no-such-request") is None
+    assert engine.outstanding_tokens() == 20 + 3 + 10 + 3
+    assert sorted(engine.unstarted()) == sorted([(fast, "fast"), (standard, "standard")])
+    held = engine.occupancy()
+    assert held.waiting["fast"] == held.waiting["standard"] == 1 and held.idle is False
+    engine.step()
+    assert set(engine.running()) == {fast, standard} and engine.unstarted() == []
+    assert engine.outstanding_tokens() < 20 + 3 + 10 + 3
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.occupancy().idle and engine.outstanding_tokens() == 0 and engine.tier_of(fast) is None

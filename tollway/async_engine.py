@@ -23,7 +23,6 @@ from concurrent.futures import Future
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
-from tollway.scheduler.occupancy import Occupancy
 
 
 class EngineDeadError(RuntimeError):
@@ -95,7 +94,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         # Published by the engine thread after every change; read from any thread.
-        self.occupancy = Occupancy.of(engine.scheduler)
+        self.occupancy = engine.occupancy()
         self.progress: dict[str, float] = {}  # running request id -> when it last ran (monotonic)
         self.longest_step = 0.0  # seconds: the longest step measured so far
         self._thread = threading.Thread(target=self._loop, name="tollway-engine", daemon=True)
@@ -150,6 +149,14 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer  # set once at load: safe from any thread
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
@@ -187,10 +194,10 @@ class AsyncEngine:
 
     def _publish(self, plan) -> None:
         """Occupancy, and when each running request last ran, as of now."""
-        scheduler, now = self.engine.scheduler, time.monotonic()
+        now = time.monotonic()
         ran = {s.request_id for s in plan.seqs} if plan is not None else ()
-        self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in scheduler.running}
-        self.occupancy = Occupancy.of(scheduler)
+        self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in self.engine.running()}
+        self.occupancy = self.engine.occupancy()
 
     def _drain(self, block: bool) -> bool:
         """Apply the commands posted so far; whether there were any."""

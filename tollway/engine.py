@@ -20,6 +20,7 @@ from tollway.checkpoint import cache_root, derived_cache_file
 from tollway.model.weights import LoadedModel, load_weights
 from tollway.outputs import RequestOutput
 from tollway.request import Request, SamplingParams
+from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_model import StepTimeModel
@@ -120,6 +121,40 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # -- what the server and the fleet read (on the engine thread: AsyncEngine.run or an observer) --
+    @property
+    def max_model_len(self) -> int:
+        """The longest context a request may reach: prompt plus output tokens."""
+        return self.config.scheduler.max_model_len
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy.of(self.scheduler)
+
+    def running(self) -> list[str]:
+        """The ids of the requests running, in admission order."""
+        return list(self.scheduler.running)
+
+    def tier_of(self, request_id: str) -> str | None:
+        """The lane of an unfinished request; None for an unknown or finished one."""
+        request = self.scheduler.get(request_id)
+        return request.tier if request is not None else None
+
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens still to prefill plus output tokens still allowed (max_tokens) over
+        every unfinished request: the work queued here, in tokens."""
+        total = 0
+        for request_id in self.scheduler.request_ids():
+            r = self.scheduler.get(request_id)
+            total += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
+            total += max(0, r.params.max_tokens - len(r.output_token_ids))
+        return total
+
+    def unstarted(self) -> list[tuple[str, str]]:
+        """(request id, tier) of every waiting request that has never run: refusing one loses
+        no work (a preempted request has run, and has output or cache to show for it)."""
+        return [(r.request_id, r.tier) for q in self.scheduler.waiting.values() for r in q
+                if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tollway.scheduler.occupancy import Occupancy
-
 
 @dataclass
 class ReplicaLoad:
@@ -22,15 +20,9 @@ class ReplicaLoad:
     @classmethod
     def of(cls, engine) -> ReplicaLoad:
         """Call on the engine thread (AsyncEngine.run)."""
-        sched = engine.scheduler
-        outstanding = 0
-        for rid in sched.request_ids():
-            r = sched.get(rid)
-            outstanding += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
-            outstanding += max(0, r.params.max_tokens - len(r.output_token_ids))
-        held = Occupancy.of(sched)
-        return cls(held.running, held.waiting, held.num_blocks - held.kv_blocks_used, held.num_blocks, outstanding,
-                   sched.config.reserved("seq", "fast"), sched.config.max_num_seqs)
+        held, config = engine.occupancy(), engine.config.scheduler
+        return cls(held.running, held.waiting, held.num_blocks - held.kv_blocks_used, held.num_blocks,
+                   engine.outstanding_tokens(), config.reserved("seq", "fast"), config.max_num_seqs)
 
     @property
     def fast_busy(self) -> int:

@@ -94,11 +94,10 @@ class ReplicaEngine(AsyncEngine):
         self.draining = True
 
         def refuse(engine) -> int:
-            queued = [r for q in engine.scheduler.waiting.values() for r in q
-                      if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
-            for r in queued:
-                engine.abort(r.request_id)
-            self._deliver([(r.request_id, ReplicaDraining(r.tier), True) for r in queued])
+            queued = engine.unstarted()
+            for request_id, _ in queued:
+                engine.abort(request_id)
+            self._deliver([(request_id, ReplicaDraining(tier), True) for request_id, tier in queued])
             return len(queued)
 
         return self.run(refuse).result()

@@ -78,8 +78,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
 
     def caller(authorization: str | None = Header(default=None)) -> KeySpec | None:
         return gatekeeper.authenticate(authorization)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.config.scheduler.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     app.state.watchdog = watchdog
 

@@ -65,7 +65,7 @@ class LiveStats:
         between steps (plan None) are no step, and no finish."""
         if plan is None:
             return
-        sched, now = engine.scheduler, time.monotonic()
+        held, now = engine.occupancy(), time.monotonic()
         tokens, finished = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
         queried = hits = generated = 0
         ttft, tpot = [], []
@@ -85,8 +85,7 @@ class LiveStats:
         charged = self._meter_totals()
         sample = StepSample(
             now, len(plan.seqs), plan.num_tokens, result.seconds, plan.capped_by,
-            sched.pool.num_used / sched.pool.num_blocks,
-            tuple(sched.running_in(t) for t in TIERS), tuple(len(sched.waiting[t]) for t in TIERS),
+            held.kv_usage, tuple(held.running[t] for t in TIERS), tuple(held.waiting[t] for t in TIERS),
             tuple(tokens[t] for t in TIERS), tuple(b - a for a, b in zip(self._charged, charged)),
             tuple(finished[t] for t in TIERS), queried, hits)
         self._charged = charged

@@ -82,7 +82,7 @@ class Metrics:
         plan None for requests aborted between steps. Recorded; fold() counts it."""
         preempted = ()
         if plan is not None and plan.preempted:  # their tiers now: they may be gone by the fold
-            preempted = [r.tier for r in map(engine.scheduler.get, plan.preempted) if r is not None]
+            preempted = [t for t in map(engine.tier_of, plan.preempted) if t is not None]
         self._pending.append((plan, result, preempted, outputs))
         if len(self._pending) >= FOLD_EVERY:
             self.fold()
