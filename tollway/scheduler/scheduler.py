@@ -5,28 +5,24 @@ many of its tokens have KV in the cache (num_computed_tokens), and each step giv
 num_tokens - num_computed_tokens more. A long prompt is thus cut into chunks that share steps
 with running decodes instead of stalling them.
 
-Three policies share this code, so they can be measured on one engine:
-  fcfs      one queue in arrival order; preempt the newest (vLLM's default)
-  priority  admission and preemption by tier priority only (vLLM --scheduling-policy priority)
-  lanes     tiers with reserved capacity, and steps shaped by predicted time: while a fast
-            request runs, each step is the largest that meets the fast TPOT target; otherwise
-            the largest that keeps standard within its TPOT SLO. Batch fills what is left.
+Three policies (policies.py: fcfs, priority, lanes) share this code, so they can be measured
+on one engine; each answers what a step considers and in what order, whom a request may
+preempt, and the time a step must meet (step_budget.py).
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.coasting import Coaster, Coasting, CoastStep
-from tollway.scheduler.deadlines import Deadlines
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
+from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 RETRY_AFTER_SECONDS = 1
@@ -39,93 +35,6 @@ class QueueFullError(ValueError):
         super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
         self.tier = tier
         self.retry_after = RETRY_AFTER_SECONDS
-
-
-class TimeTarget(NamedTuple):
-    """The step should finish within `seconds` in `quantile` of steps; `lane` set the target."""
-
-    seconds: float
-    quantile: float
-    lane: str
-
-
-class _Step:
-    """The plan being built, with its predicted time against the step's time target."""
-
-    def __init__(self, sched: Scheduler, target: TimeTarget | None, fast_decoding: bool = False):
-        """`target`: the step should finish within its seconds in that
-        fraction of steps. Predictions are stretched by the model's recent overrun at that
-        quantile, per kernel, so that measured steps, not predicted ones, meet it.
-        `fast_decoding`: a fast request is past its prefill, so its TPOT is at stake; otherwise
-        a fast prefill is about TTFT and goes in whole."""
-        self.sched = sched
-        self.seconds = target.seconds if target else None  # None: only the token budget and seq cap limit the step
-        self.lane = target.lane if target else None
-        self.capped = False  # the target left work out of this step
-        self.fast_decoding = fast_decoding
-        model = sched.step_model
-        self.headroom = {k: model.headroom(k, target.quantile, near=target.seconds) for k in model.coefficients} if target else {}
-        self.tokens_left = sched.config.max_num_batched_tokens
-        self.seqs: list[ScheduledSeq] = []
-        self.coasting: list[CoastStep] = []  # groups of coasting decodes, taken whole
-        self.num_seqs = 0
-        self.shape = StepShape("")
-
-    def predict(self, shape: StepShape) -> float:
-        return self.sched.fastest(shape, self.headroom)[1]
-
-    def budget(self, kernel: str) -> float | None:
-        """The target in predicted seconds for the step's kernel: what the plan was fitted to."""
-        if self.seconds is None:
-            return None
-        return self.seconds / self.headroom.get(kernel, 1.0)
-
-    def chunk(self, start: int, remaining: int, samples_at_end: bool, must: bool, at_least: int = 0) -> int:
-        """Most of `remaining` tokens (from position `start`) that fit in this step; 0 if none.
-        `must` (a fast request) gets at least one block's worth even past the time budget, and
-        `at_least` tokens (given only to it), and all it can while no fast request decodes (its
-        time to first token is what counts then); the step's first sequence gets a block's worth too."""
-        n = min(remaining, self.tokens_left)
-        if n <= 0 or self.num_seqs >= self.sched.config.max_num_seqs:
-            return 0
-        if self.seconds is None or (must and not self.fast_decoding):
-            return n
-        lo, hi = 0, n  # the largest fitting count: time grows with tokens
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.fits(start, mid, int(mid == remaining and samples_at_end)):
-                lo = mid
-            else:
-                hi = mid - 1
-        self.capped |= lo < n
-        # A fast request, and the first sequence of a step, get a block's worth past the
-        # budget: fast is never starved, and a step that nothing fits would run empty forever
-        # (waiting shrinks no step), while the work it turned away never ran.
-        if must or not self.num_seqs:
-            lo = max(lo, min(n, max(self.sched.pool.block_size, at_least)))
-        return lo
-
-    def fits(self, start: int, n: int, logit_rows: int) -> bool:
-        """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
-        return self.shape_fits(self.shape.plus(start, n, logit_rows))
-
-    def shape_fits(self, shape: StepShape) -> bool:
-        if self.seconds is None:
-            return True
-        kernel, seconds = self.sched.fastest(shape, self.headroom)
-        return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
-
-    def add(self, seq: ScheduledSeq) -> None:
-        self.seqs.append(seq)
-        self.num_seqs += 1
-        self.tokens_left -= seq.num_new
-        self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
-
-    def add_coasting(self, group: CoastStep) -> None:
-        self.coasting.append(group)
-        self.num_seqs += group.count
-        self.tokens_left -= group.count
-        self.shape = self.shape.with_decodes(group.count, group.pairs)
 
 
 class Scheduler:
@@ -141,7 +50,7 @@ class Scheduler:
             raise ValueError("kernel='auto' needs int8_max_tokens: measure it (the engine does at first start) or set it")
         self.config = config
         self.tiers = config.tiers
-        self.policy = config.policy
+        self.policy = POLICY_TYPES[config.policy](self)
         self.step_model = step_model  # sets _candidates
         self.clock = clock
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -156,7 +65,7 @@ class Scheduler:
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
-        self._coasting = coasting if config.policy != "priority" else None
+        self._coasting = coasting if self.policy.coasts else None
         if self._coasting:
             self._coasting.block_size = config.block_size
         # The running requests planned one by one: all of them, unless some coast.
@@ -176,10 +85,7 @@ class Scheduler:
         self._counter = 0
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
-        self._decode_shape: StepShape | None = None
-        self._fast_seen: float | None = None  # when fast work was last waiting or running
-        self._deadlines = Deadlines()  # waiting batch requests not yet due
-        self._late: dict[str, Request] = {}  # waiting batch requests that are due: they go as standard
+        self._decode_shape: StepShape | None = None  # the running requests' decode step (lanes)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -212,7 +118,7 @@ class Scheduler:
         self._arrival[rid] = self._tick()
         self._block_hashes[rid] = []
         queue.append(request)
-        self._track_deadline(request)
+        self.policy.queued(request)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish a waiting or running request (e.g. the engine matched a stop string) and free
@@ -295,18 +201,18 @@ class Scheduler:
     def plan(self) -> StepPlan:
         self._step_id += 1
         self._in_flight = {}
-        self._decode_shape = None  # the running requests' decode step, for _may_admit_decode
+        self._decode_shape = None  # built again by the policy when it caps admission (Lanes.may_admit_decode)
         now = self.clock()
         self._groups_taken, self._woken = [], {}
         if self._coasting:
             for coaster in self._coasting.due(now):
                 self._wake(coaster, self._step_id - 1)
-        fast_coasting = self._coasting is not None and self.policy == "lanes" and self._coasting.group("fast").count
+        fast_coasting = self._coasting is not None and self.policy.fast_lane("fast") and self._coasting.group("fast").count
         fast_decoding = bool(fast_coasting) or any(
             r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self._stepping.values())
-        step = _Step(self, self._time_target(now), fast_decoding)
+        step = StepBudget(self, self.policy.time_target(now), fast_decoding)
         preempted: list[str] = []
-        for kind, requests, group in self._phases(now):
+        for kind, requests, group in self.policy.phases(now):
             if kind == "run":
                 for request in self._with_coasting(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
@@ -383,12 +289,8 @@ class Scheduler:
             left = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
             del self._stepping[rid]
-            self._coasting.start(request, self._coast_group(request), step_id, self._admitted[rid], step_id + left,
-                                 self._due(request) if self.policy == "lanes" else None)
-
-    def _coast_group(self, request: Request) -> str:
-        """The run phase that takes the request: its lane's under lanes; fcfs has one."""
-        return request.tier if self.policy == "lanes" else "all"
+            self._coasting.start(request, self.policy.coast_group(request), step_id, self._admitted[rid], step_id + left,
+                                 self.policy.due(request))
 
     def _may_coast(self, request: Request, now: float) -> bool:
         """Whether every step until its last token would plan it as one plain decode, as far as
@@ -401,11 +303,11 @@ class Scheduler:
             return False
         if len(request.output_token_ids) < params.min_tokens:
             return False
-        if self.policy == "lanes" and request.tier == "fast" and self.config.speculative_tokens:
+        if self.policy.fast_lane(request.tier) and self.config.speculative_tokens:
             return False
         if len(self.pool.table(request.request_id)) != self.pool.blocks_for(request.num_computed_tokens):
             return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
-        return not (self.policy == "lanes" and self._is_due(request, now))
+        return not self.policy.is_due(request, now)
 
     def _wake(self, coaster: Coaster, last_step: int) -> Request:
         """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
@@ -440,7 +342,7 @@ class Scheduler:
     def _wake_group(self, name: str) -> list[Request]:
         return [self._wake(c, self._step_id - 1) for c in list(self._coasting.members.values()) if c.group == name]
 
-    def _with_coasting(self, requests: list[Request], group: str | None, step: _Step) -> Iterable[Request]:
+    def _with_coasting(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
         """A run phase's requests to plan one by one, in order; where the phase's coasting group
         falls in that order, the group is taken whole if every check would pass for each member,
         else woken and planned with the rest."""
@@ -464,7 +366,7 @@ class Scheduler:
             requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self._turn_of)
         yield from requests
 
-    def _take_coasting(self, name: str, coasters, step: _Step) -> bool:
+    def _take_coasting(self, name: str, coasters, step: StepBudget) -> bool:
         """Add a coasting group to the step if each member would be planned as one decode in
         turn: the token budget, the sequence cap and the time target allow them all (time grows
         with every feature, so the whole group fitting means each did in turn), and the blocks
@@ -476,7 +378,7 @@ class Scheduler:
         if step.seconds is not None:
             if not self.step_model.monotone:
                 return False  # time would not grow with work: the group's sum proves nothing
-            must = self.policy == "lanes" and name == "fast"  # fast always runs; a miss caps the step
+            must = self.policy.fast_lane(name)  # fast always runs; a miss caps the step
             if not step.shape_fits(step.shape.with_decodes(n, pairs)):
                 if not must:
                     return False
@@ -494,7 +396,7 @@ class Scheduler:
         return True
 
     def _turn(self, last_step: int, admitted: int) -> tuple[int, ...]:
-        return (last_step, admitted) if self.policy == "lanes" else (admitted,)
+        return self.policy.turn(last_step, admitted)
 
     def _turn_of(self, request: Request) -> tuple[int, ...]:
         """A running request's place in its run phase: lanes runs the longest-skipped first,
@@ -509,87 +411,7 @@ class Scheduler:
             if group.count and name not in self._groups_taken:
                 self._woken.setdefault(name, []).extend(self._wake_group(name))
 
-    # ---- policy -------------------------------------------------------------------------
-
-    def _time_target(self, now: float) -> TimeTarget | None:
-        """What the step must meet: the fast target while fast work is about, planned at the
-        p98 overrun so that 95% of measured steps meet it (at the p97, 94% did in lanes.py:
-        fast steps miss by more than the steps around them); else standard's SLO
-        at the p90 overrun, and, while the fast lane is warm, half of fast's TTFT target: a
-        fast request arriving mid-step waits for that step. Rarer overruns are this machine's
-        hiccups (steps taking 2-3x for reasons outside the plan): planning for them would
-        shrink every step and could not prevent them."""
-        if self.policy != "lanes" or self.step_model is None:
-            return None
-        fast, standard = self.tiers["fast"], self.tiers["standard"]
-        if self.waiting["fast"] or self._num_running["fast"]:
-            self._fast_seen = now
-            return TimeTarget(fast.tpot_target, 0.98, "fast") if fast.tpot_target else None
-        targets = [TimeTarget(standard.tpot_target, 0.9, "standard")] if standard.tpot_target else []
-        if fast.ttft_target and fast.warm_for and self._fast_seen is not None and now - self._fast_seen <= fast.warm_for:
-            targets.append(TimeTarget(fast.ttft_target / 2, 0.97, "fast"))
-        return min(targets) if targets else None
-
-    def _phases(self, now: float) -> Iterable[tuple[str, list[Request], str | None]]:
-        """What the step considers, in order: ("run", running requests to continue, the
-        coasting group it takes) and ("admit", waiting requests in admission order; the first
-        that does not fit stops it, None)."""
-        if self.policy == "fcfs":
-            yield "run", sorted(self._stepping.values(), key=self._turn_of), "all"
-            yield "admit", sorted((r for q in self.waiting.values() for r in q),
-                                  key=lambda r: self._arrival[r.request_id]), None
-            return
-        if self.policy == "priority":
-            rank = {t: spec.priority for t, spec in self.tiers.items()}
-            yield "run", sorted(self.running.values(), key=lambda r: (rank[r.tier], self._admitted[r.request_id])), None
-            yield "admit", sorted((r for q in self.waiting.values() for r in q),
-                                  key=lambda r: (rank[r.tier], self._arrival[r.request_id])), None
-            return
-        # lanes. Skipped requests go first next time, so a capped step rotates fairly.
-        def by_turn(requests):
-            return sorted(requests, key=self._turn_of)
-
-        running = list(self._stepping.values())
-        for rid in self._deadlines.pop_due(now):
-            self._late[rid] = self._requests[rid]
-        urgent = {r.request_id for r in running if self._is_due(r, now)}
-        # No step admits more than max_num_seqs: look no further into a queue than that (an
-        # overloaded server's queues are long, and this runs every step).
-        cap = self.config.max_num_seqs
-        yield "run", by_turn(r for r in running if r.tier == "fast"), "fast"
-        yield "admit fast", list(itertools.islice(self.waiting["fast"], cap)), None
-        yield "run", by_turn(r for r in running if r.tier == "standard" or r.request_id in urgent), "standard"
-        late_batch = sorted(self._late.values(), key=lambda r: r.arrival_time)
-        yield "admit", list(itertools.islice(itertools.chain(late_batch, self.waiting["standard"]), cap)), None
-        yield "run", by_turn(r for r in running if r.tier == "batch" and r.request_id not in urgent), "batch"
-        if not self.waiting["standard"]:  # batch takes only what standard leaves
-            on_time = (r for r in self.waiting["batch"] if r.request_id not in self._late)
-            yield "admit", list(itertools.islice(on_time, cap)), None
-
-    def _due(self, request: Request) -> float | None:
-        """When a batch request's window is closing, from which on it runs as standard: when
-        what is left, at standard's per-token SLO, would take it to within a half of its window,
-        or at half its window. None for requests without a window."""
-        window = self.tiers[request.tier].window
-        if request.tier != "batch" or window is None:
-            return None
-        per_token = self.tiers["standard"].tpot_target or 1.0
-        left = request.params.max_tokens - len(request.output_token_ids) + 1
-        return min(request.arrival_time + window - 1.5 * left * per_token, request.arrival_time + window / 2)
-
-    def _is_due(self, request: Request, now: float) -> bool:
-        due = self._due(request)
-        return due is not None and now >= due
-
-    def _track_deadline(self, request: Request) -> None:
-        """A batch request (re)joins its queue: note when it falls due."""
-        due = self._due(request)
-        if due is not None:
-            self._deadlines.set(request.request_id, due)
-
-    def _left_queue(self, request: Request) -> None:
-        self._deadlines.discard(request.request_id)
-        self._late.pop(request.request_id, None)
+    # ---- capacity -----------------------------------------------------------------------
 
     def _victims(self, request: Request) -> list[Request]:
         """Running requests `request` may preempt for room, first choice first; only ones not
@@ -597,16 +419,7 @@ class Scheduler:
         if self._coasting:
             self._wake_untaken()
         others = [r for r in self._stepping.values() if r.request_id not in self._in_flight and r is not request]
-        if self.policy == "fcfs":
-            return sorted(others, key=lambda r: -self._admitted[r.request_id])
-        rank = {t: spec.priority for t, spec in self.tiers.items()}
-        mine = rank[request.tier]
-        if self.policy == "priority":
-            return sorted((r for r in others if rank[r.tier] >= mine),
-                          key=lambda r: (-rank[r.tier], -self._admitted[r.request_id]))
-        # lanes: batch before standard; the newest, least-progressed first. Fast is never a victim.
-        return sorted((r for r in others if self.tiers[r.tier].preemptible and rank[r.tier] >= mine),
-                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -self._admitted[r.request_id]))
+        return self.policy.victims(request, others)
 
     def _reserve_against(self, tier: str) -> int:
         """Blocks that must stay free when `tier` allocates: other tiers' unused reservations."""
@@ -615,28 +428,6 @@ class Scheduler:
     def _free_slots(self, tier: str) -> int:
         held_back = sum(max(0, r - self._num_running[t]) for t, r in self._reserved["seq"].items() if t != tier)
         return self.config.max_num_seqs - len(self.running) - held_back
-
-    def _may_admit_decode(self, request: Request) -> bool:
-        """Under lanes, standard's SLO caps the batch: admit only if the decode step with this
-        request added would still be predicted within it."""
-        slo = self.tiers["standard"].tpot_target
-        if self.policy != "lanes" or self.step_model is None or slo is None or request.tier == "fast":
-            return True
-        if self._decode_shape is None:  # built once per plan, then grown with each admission
-            self._decode_shape = StepShape("")
-            for r in self._stepping.values():
-                self._decode_shape = self._decode_shape.plus(r.num_tokens, 1, 1)
-            for group in self._coasting.groups.values() if self._coasting else ():
-                # a coaster's next decode starts at its position in this step + 1
-                self._decode_shape = self._decode_shape.with_decodes(
-                    group.count, group.pairs_at(self._step_id) + group.count)
-        shape = self._decode_shape.plus(request.num_tokens, 1, 1)
-        if self.fastest(shape)[1] > slo:
-            return False
-        # Counted from here on even if its admission then fails, and preempted requests stay
-        # counted until the next plan: both only err on the safe side.
-        self._decode_shape = shape
-        return True
 
     def _fast_fits_to_the_end(self, request: Request) -> bool:
         """Fast is never preempted, so fast requests never compete for KV among themselves: one
@@ -649,9 +440,9 @@ class Scheduler:
 
     # ---- mechanics ----------------------------------------------------------------------
 
-    def _continue(self, request: Request, step: _Step, preempted: list[str], now: float) -> None:
+    def _continue(self, request: Request, step: StepBudget, preempted: list[str], now: float) -> None:
         start = request.num_computed_tokens
-        must = self.policy == "lanes" and request.tier == "fast"
+        must = self.policy.fast_lane(request.tier)
         remaining = request.num_tokens - start
         n = step.chunk(start, remaining, True, must, self._fast_prefill_share(request, remaining, now) if must else 0)
         drafts = self._drafts(request, step) if must and n == 1 and start == request.num_tokens - 1 else []
@@ -669,7 +460,7 @@ class Scheduler:
         steps = int((fast.ttft_target - (now - request.arrival_time)) / fast.tpot_target)
         return remaining if steps <= 1 else -(-remaining // steps)
 
-    def _drafts(self, request: Request, step: _Step) -> list[int]:
+    def _drafts(self, request: Request, step: StepBudget) -> list[int]:
         """n-gram drafts for a fast decode, as many as pay off (see speculation.py)."""
         k_max = min(self.config.speculative_tokens, step.tokens_left - 1,
                     request.params.max_tokens - len(request.output_token_ids) - 1,
@@ -687,7 +478,7 @@ class Scheduler:
                              self.config.speculation_min_rate)
         return drafts[:k]
 
-    def _admit(self, requests: Iterable[Request], step: _Step, preempted: list[str], now: float, force: bool) -> None:
+    def _admit(self, requests: Iterable[Request], step: StepBudget, preempted: list[str], now: float, force: bool) -> None:
         """Admit from `requests` in order until one does not fit. `force`: preempt for it."""
         for request in requests:
             rid = request.request_id
@@ -696,7 +487,7 @@ class Scheduler:
             while force and self._free_slots(request.tier) <= 0:
                 if not self._preempt_for(request, preempted):
                     return
-            if self._free_slots(request.tier) <= 0 or not self._may_admit_decode(request):
+            if self._free_slots(request.tier) <= 0 or not self.policy.may_admit_decode(request):
                 return
             # At least one token is always left to compute, so the step yields logits.
             cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, self._block_hashes[rid])
@@ -711,7 +502,7 @@ class Scheduler:
                     self._release(request)
                     return  # head of the line waits; nobody overtakes it
             self.waiting[request.tier].remove(request)
-            self._left_queue(request)
+            self.policy.left_queue(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
                 request.num_cached_prompt_tokens = cached
@@ -755,7 +546,7 @@ class Scheduler:
         while not self._allocate(request, num_tokens):
             if self._preempt_for(request, preempted):
                 continue
-            if self.policy == "lanes" and not self.tiers[request.tier].preemptible:
+            if not self.policy.preemptible(request):
                 return False
             self._preempt(request, preempted)
             return False
@@ -780,7 +571,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting[victim.tier].appendleft(victim)
-        self._track_deadline(victim)
+        self.policy.queued(victim)
         preempted.append(rid)
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
@@ -799,7 +590,7 @@ class Scheduler:
             self._num_running[request.tier] -= 1
         else:
             self.waiting[request.tier].remove(request)
-            self._left_queue(request)
+            self.policy.left_queue(request)
         self._release(request)
         for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step,
                       self._ngrams, self._acceptance):
