@@ -86,10 +86,11 @@ class Fcfs(Policy):
     def phases(self, now):
         s = self.s
         yield "run", sorted(s._stepping.values(), key=s._turn_of), "all"
-        yield "admit", sorted((r for q in s.waiting.values() for r in q), key=lambda r: s._arrival[r.request_id]), None
+        yield "admit", sorted((r for q in s.waiting.values() for r in q), key=lambda r: s._entries[r.request_id].arrival), None
 
     def victims(self, request, others):
-        return sorted(others, key=lambda r: -self.s._admitted[r.request_id])
+        entries = self.s._entries
+        return sorted(others, key=lambda r: -entries[r.request_id].admitted)
 
 
 class Priority(Policy):
@@ -100,14 +101,16 @@ class Priority(Policy):
 
     def phases(self, now):
         s, rank = self.s, self._rank()
-        yield "run", sorted(s.running.values(), key=lambda r: (rank[r.tier], s._admitted[r.request_id])), None
+        entries = s._entries
+        yield "run", sorted(s.running.values(), key=lambda r: (rank[r.tier], entries[r.request_id].admitted)), None
         yield "admit", sorted((r for q in s.waiting.values() for r in q),
-                              key=lambda r: (rank[r.tier], s._arrival[r.request_id])), None
+                              key=lambda r: (rank[r.tier], entries[r.request_id].arrival)), None
 
     def victims(self, request, others):
-        rank, admitted = self._rank(), self.s._admitted
+        rank, entries = self._rank(), self.s._entries
         mine = rank[request.tier]
-        return sorted((r for r in others if rank[r.tier] >= mine), key=lambda r: (-rank[r.tier], -admitted[r.request_id]))
+        return sorted((r for r in others if rank[r.tier] >= mine),
+                      key=lambda r: (-rank[r.tier], -entries[r.request_id].admitted))
 
 
 class Lanes(Policy):
@@ -127,7 +130,7 @@ class Lanes(Policy):
 
         running = list(s._stepping.values())
         for rid in self._deadlines.pop_due(now):
-            self._late[rid] = s._requests[rid]
+            self._late[rid] = s._entries[rid].request
         urgent = {r.request_id for r in running if self.is_due(r, now)}
         # No step admits more than max_num_seqs: look no further into a queue than that (an
         # overloaded server's queues are long, and this runs every step).
@@ -144,10 +147,10 @@ class Lanes(Policy):
 
     def victims(self, request, others):
         """Batch before standard; the newest, least-progressed first. Fast is never a victim."""
-        rank, admitted, tiers = self._rank(), self.s._admitted, self.s.tiers
+        rank, entries, tiers = self._rank(), self.s._entries, self.s.tiers
         mine = rank[request.tier]
         return sorted((r for r in others if tiers[r.tier].preemptible and rank[r.tier] >= mine),
-                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -admitted[r.request_id]))
+                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -entries[r.request_id].admitted))
 
     def time_target(self, now):
         """The fast target while fast work is about, planned at the p98 overrun so that 95% of

@@ -72,15 +72,9 @@ class Scheduler:
         self._stepping: dict[str, Request] = {} if self._coasting else self.running
         self._groups_taken: list[str] = []  # coasting groups in the plan being made
         self._woken: dict[str, list[Request]] = {}  # coasters woken to be preemptible, by group, this plan
-        self._requests: dict[str, Request] = {}  # every unfinished request
-        self._arrival: dict[str, int] = {}
-        self._admitted: dict[str, int] = {}  # rid -> admission counter (newest is largest)
-        self._last_step: dict[str, int] = {}  # rid -> step it last ran in (skipped ones go first)
+        self._entries: dict[str, _Entry] = {}  # every unfinished request's scheduling state
         self._held = {t: 0 for t in self.tiers}  # KV blocks held, per tier
         self._num_running = {t: 0 for t in self.tiers}
-        self._block_hashes: dict[str, list[bytes]] = {}  # kept across preemptions: hash once
-        self._ngrams: dict[str, NgramIndex] = {}  # fast requests' draft proposers
-        self._acceptance: dict[str, Acceptance] = {}
         self.speculation = Acceptance()  # all drafts so far, for metrics
         self._counter = 0
         self._step_id = 0
@@ -98,7 +92,7 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if request.tier not in self.tiers:
             raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
-        if rid in self._requests:
+        if rid in self._entries:
             raise ValueError(f"request id {rid!r} is already in use")
         if num_prompt == 0:
             raise ValueError("prompt is empty")
@@ -114,16 +108,15 @@ class Scheduler:
         if len(queue) >= self.tiers[request.tier].max_queue:
             raise QueueFullError(request.tier, self.tiers[request.tier].max_queue)
         request.state = RequestState.WAITING
-        self._requests[rid] = request
-        self._arrival[rid] = self._tick()
-        self._block_hashes[rid] = []
+        self._entries[rid] = _Entry(request, self._tick())
         queue.append(request)
         self.policy.queued(request)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish a waiting or running request (e.g. the engine matched a stop string) and free
         its blocks. Returns it, or None if no unfinished request has this id."""
-        request = self._requests.get(request_id)
+        entry = self._entries.get(request_id)
+        request = entry.request if entry is not None else None
         if request is not None:
             coaster = self._coasting.members.get(request_id) if self._coasting else None
             if coaster is not None:  # up to the last committed step
@@ -137,14 +130,15 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         """An unfinished request by id (finished ones are forgotten). A coasting request's
         tokens and counters lag until it stops coasting."""
-        return self._requests.get(request_id)
+        entry = self._entries.get(request_id)
+        return entry.request if entry is not None else None
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._entries)
 
     def request_ids(self) -> list[str]:
         """Every unfinished request, waiting or running."""
-        return list(self._requests)
+        return list(self._entries)
 
     @property
     def num_waiting(self) -> int:
@@ -246,7 +240,7 @@ class Scheduler:
             if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
                 _check_tokens(plan.step_id, seq, tokens)
             if seq.num_draft:
-                self._acceptance[rid].add(seq.num_draft, len(tokens) - 1)
+                self._entries[rid].acceptance.add(seq.num_draft, len(tokens) - 1)
                 self.speculation.add(seq.num_draft, len(tokens) - 1)
             # KV is valid up to the last token fed that the model agreed with.
             request.num_computed_tokens = seq.context_len - seq.num_draft + max(0, len(tokens) - 1)
@@ -289,7 +283,7 @@ class Scheduler:
             left = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
             del self._stepping[rid]
-            self._coasting.start(request, self.policy.coast_group(request), step_id, self._admitted[rid], step_id + left,
+            self._coasting.start(request, self.policy.coast_group(request), step_id, self._entries[rid].admitted, step_id + left,
                                  self.policy.due(request))
 
     def _may_coast(self, request: Request, now: float) -> bool:
@@ -333,7 +327,7 @@ class Scheduler:
             bs = self.pool.block_size
             if coaster.computed // bs != request.num_computed_tokens // bs:
                 self.pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
-            self._last_step[rid] = last_step
+            self._entries[rid].last_step = last_step
             if self._coasting.on_end:
                 self._coasting.on_end(request, coaster.anchor + 1, last_step, coaster.offset)
         self._stepping[rid] = request
@@ -401,8 +395,8 @@ class Scheduler:
     def _turn_of(self, request: Request) -> tuple[int, ...]:
         """A running request's place in its run phase: lanes runs the longest-skipped first,
         then by admission; fcfs by admission."""
-        rid = request.request_id
-        return self._turn(self._last_step.get(rid, 0), self._admitted[rid])
+        entry = self._entries[request.request_id]
+        return self._turn(entry.last_step, entry.admitted)
 
     def _wake_untaken(self) -> None:
         """Coasting groups not in this step become preemption candidates, planned one by one
@@ -467,13 +461,16 @@ class Scheduler:
                     self.max_len(request.tier) - 1 - request.num_tokens)
         if k_max <= 0:
             return []
-        proposer = self._ngrams.setdefault(request.request_id, NgramIndex())
+        entry = self._entries[request.request_id]
+        if entry.ngrams is None:
+            entry.ngrams, entry.acceptance = NgramIndex(), Acceptance()
+        proposer = entry.ngrams
         drafts = proposer.propose(request.all_token_ids, k_max)
         start = request.num_computed_tokens
         # Drafts are extra work for the step: only as many as keep it within its target.
         while drafts and not step.fits(start, 1 + len(drafts), 1 + len(drafts)):
             drafts.pop()
-        rate = self._acceptance.setdefault(request.request_id, Acceptance()).rate
+        rate = entry.acceptance.rate
         k = best_draft_count(len(drafts), rate, lambda k: step.predict(step.shape.plus(start, 1 + k, 1 + k)) or 1.0,
                              self.config.speculation_min_rate)
         return drafts[:k]
@@ -490,7 +487,8 @@ class Scheduler:
             if self._free_slots(request.tier) <= 0 or not self.policy.may_admit_decode(request):
                 return
             # At least one token is always left to compute, so the step yields logits.
-            cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, self._block_hashes[rid])
+            entry = self._entries[rid]
+            cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, entry.block_hashes)
             self._held[request.tier] += len(self.pool.table(rid))
             remaining = request.num_tokens - cached
             n = step.chunk(cached, remaining, True, force, self._fast_prefill_share(request, remaining, now) if force else 0)
@@ -509,14 +507,14 @@ class Scheduler:
             request.num_computed_tokens = cached
             request.state = RequestState.RUNNING
             self.running[rid] = self._stepping[rid] = request
-            self._admitted[rid] = self._tick()
+            entry.admitted = self._tick()
             self._num_running[request.tier] += 1
             step.add(self._schedule(request, n))
 
     def _schedule(self, request: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
-        self._last_step[request.request_id] = self._step_id
+        self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, _token_slice(request, start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
                             request.params, len(drafts), self._banned(request))
@@ -592,9 +590,7 @@ class Scheduler:
             self.waiting[request.tier].remove(request)
             self.policy.left_queue(request)
         self._release(request)
-        for table in (self._requests, self._arrival, self._block_hashes, self._admitted, self._last_step,
-                      self._ngrams, self._acceptance):
-            table.pop(rid, None)
+        del self._entries[rid]
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finished_time = self.clock()
@@ -602,6 +598,21 @@ class Scheduler:
     def _tick(self) -> int:
         self._counter += 1
         return self._counter
+
+
+class _Entry:
+    """What the scheduler keeps on one unfinished request beside the request itself."""
+
+    __slots__ = ("request", "arrival", "admitted", "last_step", "block_hashes", "ngrams", "acceptance")
+
+    def __init__(self, request: Request, arrival: int):
+        self.request = request
+        self.arrival = arrival  # arrival counter: the order requests came in
+        self.admitted = 0  # admission counter, newest largest (set again after a preemption)
+        self.last_step = 0  # the step it last ran in: skipped ones go first
+        self.block_hashes: list[bytes] = []  # kept across preemptions: hash once
+        self.ngrams: NgramIndex | None = None  # draft proposer and its record, once it drafts
+        self.acceptance: Acceptance | None = None
 
 
 def _check_tokens(step_id: int, seq: ScheduledSeq, tokens: list) -> None:
