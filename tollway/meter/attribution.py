@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tollway.scheduler.plan import StepPlan
+from tollway.scheduler.step_model import attention_pairs
 
 READINESS = "(fast lane readiness)"  # not a request id: the capacity a ready fast lane held idle
 
@@ -50,7 +51,7 @@ def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_
     marginal = {}
     for s in plan.seqs:  # the step model's features of this sequence alone (StepShape.plus), unrounded
         n = s.num_new
-        pairs = n * s.start_pos + n * (n + 1) // 2
+        pairs = attention_pairs(s.start_pos, n)
         marginal[s.request_id] = (per_token * n + per_row * s.num_logit_rows + per_pair * pairs / 1000
                                   + per_chunk * (n > 1))
     coasting = {fast: sum(decode_work(coefficients, g.count, g.pairs) for g in plan.coasting if g.fast == fast)

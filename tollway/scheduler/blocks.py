@@ -79,10 +79,6 @@ class BlockPool:
         """Blocks whose content is findable by prefix hash (in use or evictable)."""
         return len(self._cached)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -184,9 +184,6 @@ class Scheduler:
         kernel = min(known, key=lambda k: predicted[k] * headroom.get(k, 1.0))
         return kernel, predicted[kernel]
 
-    def held_blocks(self, tier: str) -> int:
-        return self._held[tier]
-
     def running_in(self, tier: str) -> int:
         return self._num_running[tier]
 

@@ -28,14 +28,19 @@ import numpy as np
 
 FEATURES = ("fixed", "tokens", "sampled", "attention", "chunks")
 
-# Rows go through a kernel's matmuls in groups: the int8 weight-only kernel takes 4 rows at a
-# time (measured on this CPU: 4 rows 63 ms, 5 rows 117 ms, 8 rows 120 ms for the layers plus
-# the LM head), and fp32 pads to 8 rows for batch invariance (layers.py). The tokens and
-# sampled features count the rows the kernel really computes, so the model sees that a 5th row
-# costs a whole group and the 6th to 8th are nearly free.
+# Rows go through a kernel's matmuls in groups: torch's int8 weight-only kernel takes 4 rows at
+# a time, and fp32 pads to 8 rows for batch invariance (layers.py). The tokens and sampled
+# features count the rows the kernel really computes, so the model sees that a 5th row costs a
+# whole group and the 6th to 8th are nearly free.
 ROW_GROUP = {"int8": 4, "fp32": 8}
 
 HEADROOM_EVERY = 16
+
+
+def attention_pairs(start_pos: int, num_new: int) -> int:
+    """Query-key pairs of num_new tokens at positions start_pos..: each attends to every
+    position up to its own."""
+    return num_new * start_pos + num_new * (num_new + 1) // 2
 
 
 class StepShape(NamedTuple):
@@ -54,7 +59,7 @@ class StepShape(NamedTuple):
         for s in plan.seqs:
             n = s.num_new
             tokens, sampled, chunks = tokens + n, sampled + s.num_logit_rows, chunks + (n > 1)
-            pairs += n * s.start_pos + n * (n + 1) // 2
+            pairs += attention_pairs(s.start_pos, n)
         shape = cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
         for group in plan.coasting:
             shape = shape.with_decodes(group.count, group.pairs)
@@ -63,7 +68,7 @@ class StepShape(NamedTuple):
     def plus(self, start_pos: int, num_new: int, logit_rows: int) -> StepShape:
         """This step with one more sequence: num_new tokens at positions start_pos.., of which
         the last `logit_rows` go through the LM head (1 to sample, 1 + k to verify k drafts)."""
-        pairs = num_new * start_pos + num_new * (num_new + 1) // 2
+        pairs = attention_pairs(start_pos, num_new)
         return StepShape(self.kernel, self.tokens + num_new, self.sampled + int(logit_rows),
                          self.attention + pairs / 1000, self.chunks + (num_new > 1))
 
