@@ -5,7 +5,7 @@ README's planning workload (Llama 3 8B shapes on an H200 estimate, chat lengths,
     python benchmarks/sim_speed.py --quick  # 2,000 requests; writes benchmarks/out/ only
 
 The simulator runs the real Scheduler. Planning every sequence in every step cost 30-50 us per
-sequence-step in CPython; plain decodes now coast (tollway/scheduler/coasting.py), so most
+sequence-step in CPython; plain decodes now coast (tollway/sim/coasting.py), so most
 sequence-steps cost a share of one group check, and the cost is mostly per step and per
 request. Microseconds per sequence-step is still the figure compared across versions; the
 time for a million requests follows from it. Process CPU time is reported beside wall time:

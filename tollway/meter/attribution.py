@@ -15,6 +15,7 @@ the whole step: attributed cost is conserved.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from tollway.scheduler.plan import StepPlan
@@ -24,12 +25,12 @@ READINESS = "(fast lane readiness)"  # not a request id: the capacity a ready fa
 
 
 class Shares(NamedTuple):
-    """A step's cost: per request id (or READINESS), and per unit of marginal work for the
-    plan's coasting decodes (the simulator charges those over their whole coast at once)."""
+    """A step's cost: per request id (or READINESS), and per unit of marginal work for decodes
+    the plan carries as groups (the simulator's coasting, charged over a whole coast at once)."""
 
     by_request: dict[str, float]
-    rate: float  # cost per unit of a coasting decode's marginal work, outside the fast lane
-    fast_rate: float  # the same in the fast lane's coasting group
+    rate: float  # cost per unit of a grouped decode's marginal work, outside the fast lane
+    fast_rate: float  # the same in the fast lane's group
 
 
 def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float) -> dict[str, float]:
@@ -44,8 +45,10 @@ def decode_work(coefficients: list[float], count: int, pairs: int) -> float:
     return (per_token + per_row) * count + per_pair * pairs / 1000
 
 
-def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float) -> Shares:
-    """attribute(), with the rates its coasting groups pay: together all add up to the step."""
+def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_second: float,
+           groups: Sequence[tuple[int, int, bool]] = ()) -> Shares:
+    """attribute(), with the rates that `groups` of decodes beside plan.seqs pay, each
+    (count, query-key pairs, whether it is the fast lane's): together all add up to the step."""
     total = seconds * price_per_second
     fixed, per_token, per_row, per_pair, per_chunk = coefficients
     marginal = {}
@@ -54,16 +57,16 @@ def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_
         pairs = attention_pairs(s.start_pos, n)
         marginal[s.request_id] = (per_token * n + per_row * s.num_logit_rows + per_pair * pairs / 1000
                                   + per_chunk * (n > 1))
-    coasting = {fast: sum(decode_work(coefficients, g.count, g.pairs) for g in plan.coasting if g.fast == fast)
-                for fast in (False, True)}
-    num_seqs = len(marginal) + sum(g.count for g in plan.coasting)
+    grouped = {fast: sum(decode_work(coefficients, count, pairs) for count, pairs, g_fast in groups if g_fast == fast)
+               for fast in (False, True)}
+    num_seqs = len(marginal) + sum(count for count, _, _ in groups)
     if not num_seqs:
         return Shares({}, 0.0, 0.0)
-    work = sum(marginal.values()) + coasting[False] + coasting[True]
-    if work <= 0:  # a model that sees no work: split evenly (coasting decodes need work to share by)
+    work = sum(marginal.values()) + grouped[False] + grouped[True]
+    if work <= 0:  # a model that sees no work: split evenly (grouped decodes need work to share by)
         return Shares({rid: total / len(marginal) for rid in marginal}, 0.0, 0.0)
     fast = {s.request_id for s in plan.seqs if s.tier == "fast"}
-    num_fast = len(fast) + sum(g.count for g in plan.coasting if g.fast)
+    num_fast = len(fast) + sum(count for count, _, g_fast in groups if g_fast)
     if plan.capped_by != "fast" or num_fast == num_seqs:
         rate = total / work
         return Shares({rid: rate * m for rid, m in marginal.items()}, rate, rate)
@@ -71,10 +74,10 @@ def shares(plan: StepPlan, seconds: float, coefficients: list[float], price_per_
     # step; the fast requests pay the rest, in proportion to their own work.
     rate = total / (fixed + work)
     others = {rid: rate * m for rid, m in marginal.items() if rid not in fast}
-    rest = total - sum(others.values()) - rate * coasting[False]
+    rest = total - sum(others.values()) - rate * grouped[False]
     if not num_fast:
         return Shares({**others, READINESS: rest}, rate, 0.0)
-    fast_work = sum(marginal[rid] for rid in fast) + coasting[True]
+    fast_work = sum(marginal[rid] for rid in fast) + grouped[True]
     if fast_work <= 0:
         return Shares({**others, **{rid: rest / max(1, len(fast)) for rid in fast}}, rate, 0.0)
     fast_rate = rest / fast_work

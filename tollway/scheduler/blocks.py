@@ -56,15 +56,13 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[bytes, int] = {}
         self._holdings: dict[str, _Holding] = {}
-        self._promised = 0  # blocks counted as taken before they are handed out (see promise)
 
     # ---- counts -------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        """Blocks a fresh allocation could take right now (free list + evictable, less those
-        promised)."""
-        return len(self._free) + len(self._evictable) - self._promised
+        """Blocks a fresh allocation could take right now (free list + evictable)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_evictable(self) -> int:
@@ -118,27 +116,18 @@ class BlockPool:
         holding.num_cached = len(holding.blocks)
         return len(holding.blocks) * self.block_size
 
-    def promise(self, count: int) -> None:
-        """Count `count` blocks as taken now, to be handed out later by allocate(promised=...)
-        (or given back with a negative count): coasting decodes (coasting.py) take their
-        blocks as a number per step and their block ids only when they stop coasting. The
-        caller checks num_free first."""
-        self._promised += count
-
-    def allocate(self, owner: str, num_tokens: int, reserve: int = 0, promised: int = 0) -> bool:
+    def allocate(self, owner: str, num_tokens: int, reserve: int = 0) -> bool:
         """Grow `owner`'s table so it can hold `num_tokens` tokens. All or nothing: returns False,
         taking nothing, unless at least `reserve` blocks would still be free afterwards
-        (`reserve` is how a caller keeps blocks back for others, e.g. a reserved tier).
-        `promised` of the blocks were promised already."""
+        (`reserve` is how a caller keeps blocks back for others, e.g. a reserved tier)."""
         holding = self._holdings.get(owner)
         if holding is None:
             holding = self._holdings[owner] = _Holding()
         need = self.blocks_for(num_tokens) - len(holding.blocks)
         if need <= 0:
             return True
-        if need - promised > self.num_free - reserve:
+        if need > self.num_free - reserve:
             return False
-        self._promised -= promised
         for _ in range(need):
             block = self._free.popleft() if self._free else self._evict()
             self._ref[block] = 1

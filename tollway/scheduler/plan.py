@@ -6,7 +6,6 @@ from functools import cached_property
 from typing import NamedTuple
 
 from tollway.request import SamplingParams
-from tollway.scheduler.coasting import CoastStep
 from tollway.scheduler.step_model import StepShape
 
 
@@ -69,9 +68,6 @@ class StepPlan:
     predicted_seconds: float | None = None  # the step model's forecast, when there is one
     budget_seconds: float | None = None  # the time the step was shaped to fit, if any
     capped_by: str | None = None  # the lane whose time target left work out of this step
-    # Coasting decodes, by group: only a scheduler with coasting on (the simulator's) plans
-    # them, and only its simulated runner reads them; a real runner gets every sequence in seqs.
-    coasting: tuple[CoastStep, ...] = ()
 
     @cached_property
     def shape(self) -> StepShape:
@@ -80,15 +76,15 @@ class StepPlan:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seqs) + sum(g.count for g in self.coasting)
+        return len(self.seqs)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs) + sum(g.count for g in self.coasting)
+        return sum(s.num_new for s in self.seqs)
 
     @property
     def num_decode(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode or s.num_draft) + sum(g.count for g in self.coasting)
+        return sum(1 for s in self.seqs if s.is_decode or s.num_draft)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -96,7 +92,7 @@ class StepPlan:
 
     @property
     def context_tokens(self) -> int:
-        return sum(s.context_len for s in self.seqs) + sum(g.pairs for g in self.coasting)
+        return sum(s.context_len for s in self.seqs)
 
     def __str__(self) -> str:
         parts = [f"step {self.step_id}: {self.num_decode} decode"]

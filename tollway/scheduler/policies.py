@@ -24,7 +24,7 @@ from tollway.scheduler.step_model import StepShape
 
 class Policy:
     name = ""
-    coasts = True  # plain decodes may coast (the simulator's; see coasting.py)
+    coasts = True  # plain decodes may coast in the simulator (sim/coasting.py)
 
     def __init__(self, scheduler):
         self.s = scheduler
@@ -195,9 +195,7 @@ class Lanes(Policy):
             s._decode_shape = StepShape("")
             for r in s._stepping.values():
                 s._decode_shape = s._decode_shape.plus(r.num_tokens, 1, 1)
-            for group in s._coasting.groups.values() if s._coasting else ():
-                # a coaster's next decode starts at its position in this step + 1
-                s._decode_shape = s._decode_shape.with_decodes(group.count, group.pairs_at(s._step_id) + group.count)
+            s._decode_shape = s._grouped_decodes(s._decode_shape)
         shape = s._decode_shape.plus(request.num_tokens, 1, 1)
         if s.fastest(shape)[1] > slo:
             return False

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
-from tollway.scheduler.coasting import Coaster, Coasting, CoastStep
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
@@ -39,12 +38,9 @@ class QueueFullError(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, step_model: StepTimeModel | None = None,
-                 clock: Callable[[], float] = time.monotonic, coasting: Coasting | None = None):
+                 clock: Callable[[], float] = time.monotonic):
         """`step_model` shapes steps under the lanes policy (without one, only token budgets
-        apply); `clock` stamps request times (the simulator passes its own). `coasting` (the
-        simulator's) lets plain decodes coast (see coasting.py): plans then carry them as
-        groups, which no runner reads, so the engine never passes one. The priority policy
-        sorts all running requests as one list and does not coast."""
+        apply); `clock` stamps request times (the simulator passes its own)."""
         config.validate()
         if config.kernel == "auto" and config.int8_max_tokens is None:
             raise ValueError("kernel='auto' needs int8_max_tokens: measure it (the engine does at first start) or set it")
@@ -65,13 +61,9 @@ class Scheduler:
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
-        self._coasting = coasting if self.policy.coasts else None
-        if self._coasting:
-            self._coasting.block_size = config.block_size
-        # The running requests planned one by one: all of them, unless some coast.
-        self._stepping: dict[str, Request] = {} if self._coasting else self.running
-        self._groups_taken: list[str] = []  # coasting groups in the plan being made
-        self._woken: dict[str, list[Request]] = {}  # coasters woken to be preemptible, by group, this plan
+        # The running requests planned one by one: all of them here (the simulator's scheduler
+        # carries some as groups).
+        self._stepping: dict[str, Request] = self.running
         self._entries: dict[str, _Entry] = {}  # every unfinished request's scheduling state
         self._held = {t: 0 for t in self.tiers}  # KV blocks held, per tier
         self._num_running = {t: 0 for t in self.tiers}
@@ -118,9 +110,7 @@ class Scheduler:
         entry = self._entries.get(request_id)
         request = entry.request if entry is not None else None
         if request is not None:
-            coaster = self._coasting.members.get(request_id) if self._coasting else None
-            if coaster is not None:  # up to the last committed step
-                self._wake(coaster, self._step_id - (self._in_flight is not None))
+            self._before_finish(request)
             self._finish(request, reason)
         return request
 
@@ -128,8 +118,7 @@ class Scheduler:
         return self.finish(request_id, "abort")
 
     def get(self, request_id: str) -> Request | None:
-        """An unfinished request by id (finished ones are forgotten). A coasting request's
-        tokens and counters lag until it stops coasting."""
+        """An unfinished request by id (finished ones are forgotten)."""
         entry = self._entries.get(request_id)
         return entry.request if entry is not None else None
 
@@ -194,18 +183,12 @@ class Scheduler:
         self._in_flight = {}
         self._decode_shape = None  # built again by the policy when it caps admission (Lanes.may_admit_decode)
         now = self.clock()
-        self._groups_taken, self._woken = [], {}
-        if self._coasting:
-            for coaster in self._coasting.due(now):
-                self._wake(coaster, self._step_id - 1)
-        fast_coasting = self._coasting is not None and self.policy.fast_lane("fast") and self._coasting.group("fast").count
-        fast_decoding = bool(fast_coasting) or any(
-            r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self._stepping.values())
-        step = StepBudget(self, self.policy.time_target(now), fast_decoding)
+        self._begin_plan(now)
+        step = StepBudget(self, self.policy.time_target(now), self._fast_decoding())
         preempted: list[str] = []
         for kind, requests, group in self.policy.phases(now):
             if kind == "run":
-                for request in self._with_coasting(requests, group, step):
+                for request in self._run_order(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
                         self._continue(request, step, preempted, now)
             # Admitting right after preempting would only hand the freed blocks to a newcomer
@@ -214,8 +197,7 @@ class Scheduler:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel, predicted = self.fastest(step.shape, step.headroom)
         predicted = predicted if self.step_model and step.num_seqs else None
-        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
-                        step.lane if step.capped else None, tuple(step.coasting))
+        return self._make_plan(step, kernel, preempted, predicted)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply a step's outcome. Returns the requests that got a token or finished."""
@@ -261,130 +243,39 @@ class Scheduler:
                 self._finish(request, reason)
             changed.append(request)
         self._in_flight = None
-        if self._coasting:
-            self._commit_coasting(plan.step_id, changed, now)
+        self._after_commit(plan.step_id, changed, now)
         return changed
 
-    # ---- coasting (see coasting.py) -------------------------------------------------------
+    # ---- where the simulator's scheduler (sim/coasting_scheduler.py) steps in ---------------
 
-    def _commit_coasting(self, step_id: int, changed: list[Request], now: float) -> None:
-        """Coasters whose last token came in this step finish (and join `changed`); requests
-        that got a token and now decode plainly start coasting."""
-        starting = [r for r in changed if r.state is RequestState.RUNNING and self._may_coast(r, now)]
-        for coaster in self._coasting.finishing(step_id):
-            self._wake(coaster, step_id)
-            self._finish(coaster.request, "length")
-            changed.append(coaster.request)
-        for request in starting:
-            rid = request.request_id
-            left = min(request.params.max_tokens - len(request.output_token_ids),
-                       self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
-            del self._stepping[rid]
-            self._coasting.start(request, self.policy.coast_group(request), step_id, self._entries[rid].admitted, step_id + left,
-                                 self.policy.due(request))
+    def _begin_plan(self, now: float) -> None:
+        """A plan starts (its step id and clock set)."""
 
-    def _may_coast(self, request: Request, now: float) -> bool:
-        """Whether every step until its last token would plan it as one plain decode, as far as
-        the request itself goes: no stop but its length, no banned tokens, nothing to report
-        per token, no drafts, not a batch request that has fallen due."""
-        params = request.params
-        if request.num_computed_tokens != request.num_tokens - 1 or not request.output_token_ids:
-            return False
-        if params.stop or params.stop_token_ids or not params.ignore_eos or params.logprobs is not None:
-            return False
-        if len(request.output_token_ids) < params.min_tokens:
-            return False
-        if self.policy.fast_lane(request.tier) and self.config.speculative_tokens:
-            return False
-        if len(self.pool.table(request.request_id)) != self.pool.blocks_for(request.num_computed_tokens):
-            return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
-        return not self.policy.is_due(request, now)
+    def _fast_decoding(self) -> bool:
+        """Whether a fast request is past its prefill: its TPOT is then at stake."""
+        return any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self._stepping.values())
 
-    def _wake(self, coaster: Coaster, last_step: int) -> Request:
-        """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
-        one by one from here."""
-        request = coaster.request
-        rid = request.request_id
-        self._coasting.stop(rid)
-        # Its blocks were promised step by step (_take_coasting), through the latest plan if
-        # that took its group: hand out those it ran into, give back any it did not.
-        blocks_for, had = self.pool.blocks_for, len(self.pool.table(rid))
-        promised_to = self._step_id if coaster.group in self._groups_taken else self._step_id - 1
-        promised = blocks_for(coaster.offset + promised_to + 1) - had
-        used = blocks_for(coaster.offset + last_step + 1) - had
-        if promised > used:
-            self.pool.promise(used - promised)
-            self._held[request.tier] -= promised - used
-        if used:
-            self.pool.allocate(rid, coaster.offset + last_step + 1, promised=used)
-        steps = last_step - coaster.anchor
-        if steps > 0:
-            request.output_token_ids.extend(self._coasting.tokens(steps))
-            request.num_computed_tokens = coaster.computed + steps
-            bs = self.pool.block_size
-            if coaster.computed // bs != request.num_computed_tokens // bs:
-                self.pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
-            self._entries[rid].last_step = last_step
-            if self._coasting.on_end:
-                self._coasting.on_end(request, coaster.anchor + 1, last_step, coaster.offset)
-        self._stepping[rid] = request
-        return request
+    def _run_order(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
+        """A run phase's requests to plan one by one, in order (`group`: the phase's name for
+        the simulator's groups)."""
+        return requests
 
-    def _wake_group(self, name: str) -> list[Request]:
-        return [self._wake(c, self._step_id - 1) for c in list(self._coasting.members.values()) if c.group == name]
+    def _make_plan(self, step: StepBudget, kernel: str, preempted: list[str], predicted: float | None) -> StepPlan:
+        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
+                        step.lane if step.capped else None)
 
-    def _with_coasting(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
-        """A run phase's requests to plan one by one, in order; where the phase's coasting group
-        falls in that order, the group is taken whole if every check would pass for each member,
-        else woken and planned with the rest."""
-        coasters = self._coasting.groups.get(group) if self._coasting and group else None
-        if coasters is None:
-            yield from requests
-            return
-        if group in self._woken:  # woken earlier in this step (to be preempted, or not)
-            requests = sorted(requests + self._woken.pop(group), key=self._turn_of)
-        if coasters.count:
-            last = self._step_id - 1  # every coaster ran in the last step
-            lo, hi = self._turn(last, coasters.min_admitted), self._turn(last, coasters.max_admitted)
-            before = [r for r in requests if self._turn_of(r) < lo]
-            after = [r for r in requests if self._turn_of(r) > hi]
-            if len(before) + len(after) == len(requests):  # no stepping request's turn falls among the group's
-                yield from before
-                if coasters.count and self._take_coasting(group, coasters, step):
-                    yield from after
-                    return
-                requests = after
-            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self._turn_of)
-        yield from requests
+    def _after_commit(self, step_id: int, changed: list[Request], now: float) -> None:
+        """A step is committed; `changed` (the requests that got a token or finished) may grow."""
 
-    def _take_coasting(self, name: str, coasters, step: StepBudget) -> bool:
-        """Add a coasting group to the step if each member would be planned as one decode in
-        turn: the token budget, the sequence cap and the time target allow them all (time grows
-        with every feature, so the whole group fitting means each did in turn), and the blocks
-        the members' next tokens need are there without preempting anyone."""
-        t, n = self._step_id, coasters.count
-        pairs = coasters.pairs_at(t)
-        if step.tokens_left < n or step.num_seqs + n > self.config.max_num_seqs:
-            return False
-        if step.seconds is not None:
-            if not self.step_model.monotone:
-                return False  # time would not grow with work: the group's sum proves nothing
-            must = self.policy.fast_lane(name)  # fast always runs; a miss caps the step
-            if not step.shape_fits(step.shape.with_decodes(n, pairs)):
-                if not must:
-                    return False
-                step.capped = True
-        needing = coasters.needing_blocks(t)
-        if needing:
-            need = sum(needing.values())
-            if need > self.pool.num_free - max(map(self._reserve_against, self.tiers)):
-                return False
-            self.pool.promise(need)  # block ids are handed out when each coaster wakes
-            for tier, count in needing.items():
-                self._held[tier] += count
-        step.add_coasting(CoastStep(name, n, pairs, name == "fast"))
-        self._groups_taken.append(name)
-        return True
+    def _before_finish(self, request: Request) -> None:
+        """`request` is about to be finished from outside the step (a stop string, an abort)."""
+
+    def _before_victims(self) -> None:
+        """Victims are about to be chosen among the requests planned one by one."""
+
+    def _grouped_decodes(self, shape: StepShape) -> StepShape:
+        """`shape` with the next decodes of the requests not planned one by one."""
+        return shape
 
     def _turn(self, last_step: int, admitted: int) -> tuple[int, ...]:
         return self.policy.turn(last_step, admitted)
@@ -395,20 +286,12 @@ class Scheduler:
         entry = self._entries[request.request_id]
         return self._turn(entry.last_step, entry.admitted)
 
-    def _wake_untaken(self) -> None:
-        """Coasting groups not in this step become preemption candidates, planned one by one
-        when their phase comes."""
-        for name, group in self._coasting.groups.items():
-            if group.count and name not in self._groups_taken:
-                self._woken.setdefault(name, []).extend(self._wake_group(name))
-
     # ---- capacity -----------------------------------------------------------------------
 
     def _victims(self, request: Request) -> list[Request]:
         """Running requests `request` may preempt for room, first choice first; only ones not
         yet in this step's plan."""
-        if self._coasting:
-            self._wake_untaken()
+        self._before_victims()
         others = [r for r in self._stepping.values() if r.request_id not in self._in_flight and r is not request]
         return self.policy.victims(request, others)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from tollway.scheduler.coasting import CoastStep
 from tollway.scheduler.plan import ScheduledSeq
 from tollway.scheduler.step_model import StepShape
 
@@ -36,7 +35,6 @@ class StepBudget:
         self.headroom = {k: model.headroom(k, target.quantile, near=target.seconds) for k in model.coefficients} if target else {}
         self.tokens_left = sched.config.max_num_batched_tokens
         self.seqs: list[ScheduledSeq] = []
-        self.coasting: list[CoastStep] = []  # groups of coasting decodes, taken whole
         self.num_seqs = 0
         self.shape = StepShape("")
 
@@ -90,8 +88,8 @@ class StepBudget:
         self.tokens_left -= seq.num_new
         self.shape = self.shape.plus(seq.start_pos, seq.num_new, seq.num_logit_rows)
 
-    def add_coasting(self, group: CoastStep) -> None:
-        self.coasting.append(group)
-        self.num_seqs += group.count
-        self.tokens_left -= group.count
-        self.shape = self.shape.with_decodes(group.count, group.pairs)
+    def add_decodes(self, count: int, pairs: int) -> None:
+        """`count` single-token decodes reading `pairs` query-key pairs in all, taken as one."""
+        self.num_seqs += count
+        self.tokens_left -= count
+        self.shape = self.shape.with_decodes(count, pairs)

@@ -60,10 +60,7 @@ class StepShape(NamedTuple):
             n = s.num_new
             tokens, sampled, chunks = tokens + n, sampled + s.num_logit_rows, chunks + (n > 1)
             pairs += attention_pairs(s.start_pos, n)
-        shape = cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
-        for group in plan.coasting:
-            shape = shape.with_decodes(group.count, group.pairs)
-        return shape
+        return cls(plan.kernel, tokens, sampled, pairs / 1000, chunks)
 
     def plus(self, start_pos: int, num_new: int, logit_rows: int) -> StepShape:
         """This step with one more sequence: num_new tokens at positions start_pos.., of which

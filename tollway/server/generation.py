@@ -16,7 +16,7 @@ from tollway.scheduler.scheduler import QueueFullError
 from tollway.server.call_ids import new_call_id
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tollway.server.service_tier import WIRE_NAME, tier_for
+from tollway.server.service_tier import WIRE_NAME
 
 
 @dataclass

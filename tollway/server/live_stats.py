@@ -115,7 +115,6 @@ class LiveStats:
             span = min(WINDOW, now - self.started) if self.started is not None else WINDOW
         recent = [s for s in steps if s.time > now - WINDOW]
         price = self.meter.price_card.price_per_second if self.meter else None
-        latest = steps[-1] if steps else None
         held = self.engine.occupancy if self.engine else None  # None: no engine behind it (tests)
         tiers = {}
         for i, tier in enumerate(TIERS):

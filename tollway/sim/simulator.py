@@ -11,7 +11,7 @@ report as a measured run.
 Prompts and outputs are random token ids: no prefix-cache hits, and no n-gram drafts for the
 fast lane (speculation is not simulated, so it is off).
 
-Plain decodes coast (scheduler/coasting.py): the scheduler carries them as groups, and this
+Plain decodes coast (coasting.py, coasting_scheduler.py): the scheduler carries them as groups, and this
 loop meters them and stamps their token times from each replica's StepLog when they stop. The
 results are those of planning every sequence in every step (`coast=False`), only faster.
 """
@@ -36,9 +36,11 @@ from tollway.bench.workload import Workload, read_jsonl
 from tollway.config import SchedulerConfig
 from tollway.meter.attribution import READINESS, shares
 from tollway.request import Request, SamplingParams
-from tollway.scheduler.coasting import Coasting
 from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
+from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.scheduler import QueueFullError, Scheduler
+from tollway.sim.coasting import Coasting
+from tollway.sim.coasting_scheduler import CoastingPlan, CoastingScheduler
 from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
 from tollway.sim.step_log import StepLog
@@ -112,8 +114,11 @@ class Simulator:
         clock = lambda: self.now  # noqa: E731
         self.replicas = [Replica(i) for i in range(replicas)]
         for replica in self.replicas:
-            coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica)) if coast else None
-            replica.scheduler = Scheduler(copy.deepcopy(config), profile.step_model(), clock, coasting)
+            if coast and POLICY_TYPES[config.policy].coasts:
+                coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica))
+                replica.scheduler = CoastingScheduler(copy.deepcopy(config), coasting, profile.step_model(), clock)
+            else:
+                replica.scheduler = Scheduler(copy.deepcopy(config), profile.step_model(), clock)
         self.route = make_router(routing)
         self.rng = random.Random(seed)
         self.token_times = token_times
@@ -252,7 +257,7 @@ class Simulator:
         plan, runner = replica.in_flight
         coefficients = self.truth.coefficients[plan.kernel]
         # Metered before the commit: coasters that stop in it are billed from the log.
-        split = shares(plan, runner, coefficients, 1.0)
+        split = shares(plan, runner, coefficients, 1.0, plan.groups() if isinstance(plan, CoastingPlan) else ())
         for rid, seconds in split.by_request.items():
             if rid != READINESS:  # readiness is billed to the next fast request; here, dropped
                 self._live[rid][0].engine_seconds += seconds
