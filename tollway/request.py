@@ -80,6 +80,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """all_token_ids[start:end] without concatenating the whole list (each step asks)."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        if start >= len(prompt):
+            return tuple(output[start - len(prompt):end - len(prompt)])
+        return tuple(prompt[start:end]) + tuple(output[:max(0, end - len(prompt))])
+
     @property
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED

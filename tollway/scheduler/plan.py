@@ -51,6 +51,14 @@ class ScheduledSeq(NamedTuple):
     def is_decode(self) -> bool:
         return self.num_new == 1 and self.start_pos > 0
 
+    def check(self, step_id: int, tokens: list[SampledToken]) -> None:
+        """That a step's result for this sequence is its accepted drafts, then one token."""
+        if not 1 <= len(tokens) <= self.num_draft + 1:
+            raise ValueError(f"step {step_id} result has {len(tokens)} sampled tokens for {self.request_id}, "
+                             f"expected 1..{self.num_draft + 1}")
+        if tuple(t.token_id for t in tokens[:-1]) != self.drafts[:len(tokens) - 1]:
+            raise ValueError(f"step {step_id} result for {self.request_id} keeps tokens that are not its drafts")
+
     def __str__(self) -> str:
         if self.num_draft:
             kind = f"decode + {self.num_draft} drafts"

@@ -217,7 +217,7 @@ class Scheduler:
             rid = request.request_id
             tokens = result.tokens.get(rid, []) if seq.sample else []
             if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
-                _check_tokens(plan.step_id, seq, tokens)
+                seq.check(plan.step_id, tokens)
             if seq.num_draft:
                 self._entries[rid].acceptance.add(seq.num_draft, len(tokens) - 1)
                 self.speculation.add(seq.num_draft, len(tokens) - 1)
@@ -395,7 +395,7 @@ class Scheduler:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
         self._entries[request.request_id].last_step = self._step_id
-        return ScheduledSeq(request.request_id, request.tier, _token_slice(request, start, start + n) + tuple(drafts),
+        return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
                             request.params, len(drafts), self._banned(request))
 
@@ -493,20 +493,3 @@ class _Entry:
         self.block_hashes: list[bytes] = []  # kept across preemptions: hash once
         self.ngrams: NgramIndex | None = None  # draft proposer and its record, once it drafts
         self.acceptance: Acceptance | None = None
-
-
-def _check_tokens(step_id: int, seq: ScheduledSeq, tokens: list) -> None:
-    if not 1 <= len(tokens) <= seq.num_draft + 1:
-        raise ValueError(f"step {step_id} result has {len(tokens)} sampled tokens for {seq.request_id}, "
-                         f"expected 1..{seq.num_draft + 1}")
-    if tuple(t.token_id for t in tokens[:-1]) != seq.drafts[:len(tokens) - 1]:
-        raise ValueError(f"step {step_id} result for {seq.request_id} keeps tokens that are not its drafts")
-
-
-def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """request.all_token_ids[start:end] without concatenating the whole list every step."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    num_prompt = len(prompt)
-    if start >= num_prompt:
-        return tuple(output[start - num_prompt:end - num_prompt])
-    return tuple(prompt[start:end]) + tuple(output[:max(0, end - num_prompt)])
