@@ -225,7 +225,7 @@ def test_an_abort_ends_the_stream_with_a_final_output_and_frees_at_once(server):
         return first, await stream.ended()
 
     first, final = asyncio.run(abort_after_first_token())
-    assert final.finished and final.finish_reason == "abort" and len(final.token_ids) >= len(first.token_ids)
+    assert final.finished and final.finish_reason == "abort" and len(final.token_ids) >= first.num_output_tokens >= 1
     assert [o.request_id for o in ended] == [final.request_id]  # the observers saw it end, once
     held = engine.occupancy
     assert held.idle and held.kv_blocks_used == 0 and engine.progress == {}

@@ -125,3 +125,21 @@ def test_what_the_server_reads_follows_the_requests(engine):
     while engine.has_unfinished():
         engine.step()
     assert engine.occupancy().idle and engine.outstanding_tokens() == 0 and engine.tier_of(fast) is None
+
+
+def test_each_output_carries_what_its_step_added_and_the_last_the_whole(engine):
+    """Following a request costs what it adds: the new ids and logprobs of every output add up
+    to the final output's whole lists, and only the final output carries them."""
+    rid = engine.add_request("Count: one, two,", SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))
+    ids, logprobs, counts, final = [], [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                ids += out.new_token_ids
+                logprobs += out.new_logprobs
+                counts.append(out.num_output_tokens)
+                if not out.finished:
+                    assert out.token_ids == [] and out.text == "" and out.logprobs == []
+                final = out
+    assert final.finished and final.token_ids == ids and len(ids) == 12 and counts == list(range(1, 13))
+    assert final.logprobs == logprobs and [e["token_id"] for e in logprobs] == ids

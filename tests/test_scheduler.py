@@ -113,7 +113,7 @@ def test_first_plan_prefills_whole_prompt_and_samples():
     assert (s.token_ids, s.start_pos, s.sample, s.params) == ((5, 6, 7), 0, True, r.params)
     assert s.block_table == sched.pool.table("a") and len(s.block_table) == 1
     assert plan.kernel == "int8" and plan.step_id == 1
-    assert changed == [r] and r.output_token_ids == [token_for("a", 0)]
+    assert changed == [(r, [token_for("a", 0)])] and r.output_token_ids == [token_for("a", 0)]
     assert r.first_scheduled_time is not None and r.first_token_time >= r.first_scheduled_time
     plan, _ = step(sched)
     assert plan.seqs[0].token_ids == (token_for("a", 0),) and plan.seqs[0].is_decode
@@ -352,7 +352,7 @@ def test_eos_stops_unless_ignored():
     r = req("a", [1], max_tokens=5)
     sched.add(r)
     _, changed = step(sched, {"a": EOS})
-    assert changed == [r] and r.finish_reason == "stop" and r.output_token_ids == [EOS]
+    assert changed == [(r, [EOS])] and r.finish_reason == "stop" and r.output_token_ids == [EOS]
     ignoring = req("b", [1], max_tokens=2, ignore_eos=True)
     sched.add(ignoring)
     step(sched, {"b": EOS})
@@ -413,7 +413,8 @@ def test_abort_between_plan_and_commit_is_skipped():
     sched.add(reused)
     tokens = {s.request_id: [SampledToken(5)] for s in plan.seqs}
     changed = sched.commit(plan, StepResult(plan.step_id, tokens, 0.0))
-    assert changed == [b] and a.output_token_ids == [] and a.finish_reason == "abort"
+    assert [c.request for c in changed] == [b] and changed[0].new_token_ids == b.output_token_ids == [5]
+    assert a.output_token_ids == [] and a.finish_reason == "abort"
     assert reused.output_token_ids == [] and reused.num_computed_tokens == 0
     assert reused.state is RequestState.WAITING and sched.pool.table("a") == ()
 
@@ -528,8 +529,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.get(rid).state is RequestState.WAITING
             assert self.sched.policy != "lanes" or self.sched.get(rid).tier != "fast"
         changed = self.sched.commit(plan, self.runner.execute(plan))
-        for r in changed:
+        for r, new in changed:
             assert r.finished or r.state is RequestState.RUNNING
+            assert new and r.output_token_ids[-len(new):] == new
 
     @precondition(lambda self: self.added)
     @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
@@ -548,7 +550,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort(victim.request_id)
         before = list(victim.output_token_ids)
         changed = self.sched.commit(plan, result)
-        assert victim.output_token_ids == before and victim not in changed
+        assert victim.output_token_ids == before and victim not in [c.request for c in changed]
 
     @invariant()
     def consistent(self):

@@ -98,7 +98,7 @@ class Books(RuleBasedStateMachine):
             self.sched.abort(v.request_id)
         changed = self.sched.commit(plan, result)
         for v in victims:
-            assert v.output_token_ids == before[v.request_id] and v not in changed
+            assert v.output_token_ids == before[v.request_id] and v not in [c.request for c in changed]
 
     def _result(self, plan: StepPlan) -> StepResult:
         """The model's answer: some of the drafts kept, then a token (EOS now and then)."""

@@ -164,12 +164,9 @@ class Engine:
             return []
         result = self.runner.execute(plan)
         self.last_result = result
-        # A step adds one token per sequence, or several when drafts were accepted.
-        before = {s.request_id: len(self.scheduler.get(s.request_id).output_token_ids) for s in plan.seqs}
         outputs = []
         now = time.monotonic()
-        for req in self.scheduler.commit(plan, result):
-            new_ids = req.output_token_ids[before[req.request_id]:]
+        for req, new_ids in self.scheduler.commit(plan, result):  # several tokens where drafts were kept
             stream = self.streams.get(req.request_id)
             if stream is not None and any(stream.push(t) for t in new_ids):  # stops at the first match
                 if req.finished:  # the same token also hit max_tokens: the stop string wins, as in OpenAI
@@ -182,16 +179,20 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int], now: float) -> RequestOutput:
         """The request's output as of now; the last one when it has finished (its text stream is
         then let go)."""
+        finished = req.finished
         out = RequestOutput(
             request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), new_token_ids=new_ids,
-            logprobs=req.output_logprobs, finished=req.finished, finish_reason=req.finish_reason,
+            new_token_ids=new_ids, new_logprobs=req.output_logprobs[-len(new_ids):] if new_ids else [],
+            num_output_tokens=len(req.output_token_ids),
+            token_ids=req.output_token_ids if finished else [], logprobs=req.output_logprobs if finished else [],
+            finished=finished, finish_reason=req.finish_reason,
             num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
             time=now,
         )
-        stream = self.streams.pop(req.request_id, None) if req.finished else self.streams.get(req.request_id)
+        stream = self.streams.pop(req.request_id, None) if finished else self.streams.get(req.request_id)
         if stream is not None:
-            out.new_text = stream.release(req.finished)
-            out.text = stream.text[: stream.released]
+            out.new_text = stream.release(finished)
+            if finished:
+                out.text = stream.text[: stream.released]
         return out

@@ -1,4 +1,8 @@
-"""What the engine hands back for a request after a step."""
+"""What the engine hands back for a request after a step.
+
+Each output carries what the step added (new_text, new_token_ids, new_logprobs) and the
+count so far; the whole text, ids and logprobs come on the final output only, so that
+following a request costs time in what it adds, not in its length."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +13,13 @@ class RequestOutput:
     request_id: str
     tier: str
     prompt_token_ids: list[int]
-    text: str = ""  # all text released so far (stop strings cut off)
-    token_ids: list[int] = field(default_factory=list)  # all generated ids so far
-    new_text: str = ""  # released by the latest step; for streaming
+    new_text: str = ""  # released by the latest step (stop strings cut off)
     new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict] = field(default_factory=list)  # one per new token, when asked for
+    num_output_tokens: int = 0  # generated so far
+    # The whole request, on the final output (finished) only:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
@@ -34,6 +35,15 @@ class QueueFullError(ValueError):
         super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
         self.tier = tier
         self.retry_after = RETRY_AFTER_SECONDS
+
+
+class Change(NamedTuple):
+    """What a commit did to one request: the tokens it appended (none for a coaster the
+    simulator caught up; see sim/coasting_scheduler.py), and whether it finished (on the
+    request: finished, finish_reason)."""
+
+    request: Request
+    new_token_ids: list[int]
 
 
 class Scheduler:
@@ -199,8 +209,9 @@ class Scheduler:
         predicted = predicted if self.step_model and step.num_seqs else None
         return self._make_plan(step, kernel, preempted, predicted)
 
-    def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply a step's outcome. Returns the requests that got a token or finished."""
+    def commit(self, plan: StepPlan, result: StepResult) -> list[Change]:
+        """Apply a step's outcome. Returns what changed for each request that got a token
+        (and perhaps finished)."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if plan.step_id != self._step_id or self._in_flight is None:
@@ -209,7 +220,7 @@ class Scheduler:
             self.step_model.observe(plan.shape, result.seconds)
         bs = self.pool.block_size
         now = self.clock()
-        changed: list[Request] = []
+        changed: list[Change] = []
         for seq in plan.seqs:
             request = self._in_flight[seq.request_id]
             if request.state is not RequestState.RUNNING:
@@ -223,7 +234,7 @@ class Scheduler:
                 self.speculation.add(seq.num_draft, len(tokens) - 1)
             # KV is valid up to the last token fed that the model agreed with.
             request.num_computed_tokens = seq.context_len - seq.num_draft + max(0, len(tokens) - 1)
-            reason = None
+            reason, first_new = None, len(request.output_token_ids)
             for token in tokens:
                 request.output_token_ids.append(token.token_id)
                 if token.logprob is not None:
@@ -241,7 +252,7 @@ class Scheduler:
                 request.first_token_time = now
             if reason is not None:
                 self._finish(request, reason)
-            changed.append(request)
+            changed.append(Change(request, request.output_token_ids[first_new:]))
         self._in_flight = None
         self._after_commit(plan.step_id, changed, now)
         return changed
@@ -264,8 +275,8 @@ class Scheduler:
         return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
                         step.lane if step.capped else None)
 
-    def _after_commit(self, step_id: int, changed: list[Request], now: float) -> None:
-        """A step is committed; `changed` (the requests that got a token or finished) may grow."""
+    def _after_commit(self, step_id: int, changed: list[Change], now: float) -> None:
+        """A step is committed; `changed` may grow."""
 
     def _before_finish(self, request: Request) -> None:
         """`request` is about to be finished from outside the step (a stop string, an abort)."""

@@ -264,22 +264,23 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
 
     def _absorb(choice, out) -> tuple[str, list[dict]]:
         """Fold an output into its choice; returns the new text and new logprob entries."""
-        new_logprobs = out.logprobs[len(choice.logprobs):]
-        # out.token_ids is the output's own copy; out.logprobs is the request's list, still growing
-        choice.text, choice.token_ids, choice.logprobs = out.text, out.token_ids, list(out.logprobs)
+        choice.pieces.append(out.new_text)
+        choice.text_len += len(out.new_text)
+        choice.num_tokens = out.num_output_tokens
+        choice.logprobs.extend(out.new_logprobs)
         choice.output = out
         if out.finished:
             choice.finish_reason = out.finish_reason
-        return out.new_text, new_logprobs
+        return out.new_text, out.new_logprobs
 
     def _final_choice(gen: Generation, c, echo: bool) -> dict:
         if gen.kind == "chat":
             lp = {"content": [token_entry(tokenizer, e) for e in c.logprobs]} if c.logprobs else None
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+            return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.pieces)}, "logprobs": lp,
                     "finish_reason": c.finish_reason}
         prefix = tokenizer.decode(c.prompt_ids) if echo else ""
         lp = completion_logprobs(tokenizer, c.logprobs, len(prefix)) if c.logprobs else None
-        return {"index": c.index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        return {"index": c.index, "text": prefix + "".join(c.pieces), "logprobs": lp, "finish_reason": c.finish_reason}
 
     async def _sse(gen: Generation, include_usage: bool, echo: bool) -> AsyncIterator[str]:
         started = set()
@@ -295,7 +296,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
                 else:
                     if echo and choice.index not in started:
                         text = tokenizer.decode(choice.prompt_ids) + text
-                    offset = len(choice.text) - len(out.new_text)
+                    offset = choice.text_len - len(out.new_text)
                     lp = completion_logprobs(tokenizer, new_logprobs, offset) if new_logprobs else None
                     body = {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": choice.finish_reason}
                 started.add(choice.index)

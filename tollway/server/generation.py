@@ -25,8 +25,9 @@ class Choice:
 
     index: int
     prompt_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the text sent so far, a piece per output
+    text_len: int = 0
+    num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
@@ -106,7 +107,7 @@ class Generation:
                 out = await stream.ended()
             except EngineDeadError:
                 continue
-            choice.output, choice.token_ids = out, list(out.token_ids)
+            choice.output, choice.num_tokens = out, out.num_output_tokens
             choice.finish_reason = choice.finish_reason or out.finish_reason
 
     async def updates(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
@@ -141,7 +142,7 @@ class Generation:
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)  # once per prompt, however many choices
-        completion = sum(len(c.token_ids) for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.cost is not None:
             usage |= {"cost": self.cost, "price": self.price, "engine_seconds": self.engine_seconds}
@@ -180,7 +181,7 @@ def request_tags(req: SamplingFields, header: str | None) -> list[str]:
 def ledger_row(gen: Generation, meter) -> LedgerRow:
     """The ledger's row for a finished (or abandoned) API call: every choice summed."""
     outs = [c.output for c in gen.choices if c.output is not None]
-    completion = sum(len(c.token_ids) for c in gen.choices)
+    completion = sum(c.num_tokens for c in gen.choices)
     # A prompt is billed once any of its choices was scheduled; one aborted while it waited
     # used nothing. Once per prompt, however many choices: the first scheduled one counts.
     ran: dict[int, RequestOutput] = {}

@@ -73,15 +73,15 @@ class LiveStats:
             n = len(out.new_token_ids)
             tokens[out.tier] += n
             generated += n
-            if n and len(out.token_ids) == n:  # every token is new: this is the first
+            if n and out.num_output_tokens == n:  # every token is new: this is the first
                 tokens[out.tier] += len(out.prompt_token_ids)
                 queried += len(out.prompt_token_ids)
                 hits += out.num_cached_prompt_tokens
                 ttft.append((out.tier, out.first_token_time - out.arrival_time))
             if out.finished and out.finish_reason != "abort":
                 finished[out.tier] += 1
-                if len(out.token_ids) > 1:
-                    tpot.append((out.tier, (out.time - out.first_token_time) / (len(out.token_ids) - 1)))
+                if out.num_output_tokens > 1:
+                    tpot.append((out.tier, (out.time - out.first_token_time) / (out.num_output_tokens - 1)))
         charged = self._meter_totals()
         sample = StepSample(
             now, len(plan.seqs), plan.num_tokens, result.seconds, plan.capped_by,

@@ -16,7 +16,7 @@ from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.plan import StepPlan
-from tollway.scheduler.scheduler import Scheduler
+from tollway.scheduler.scheduler import Change, Scheduler
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 from tollway.sim.coasting import Coaster, Coasting, CoastStep
@@ -120,14 +120,14 @@ class CoastingScheduler(Scheduler):
             shape = shape.with_decodes(group.count, group.pairs_at(self._step_id) + group.count)
         return shape
 
-    def _after_commit(self, step_id: int, changed: list[Request], now: float) -> None:
+    def _after_commit(self, step_id: int, changed: list[Change], now: float) -> None:
         """Coasters whose last token came in this step finish (and join `changed`); requests
         that got a token and now decode plainly start coasting."""
-        starting = [r for r in changed if r.state is RequestState.RUNNING and self._may_coast(r, now)]
+        starting = [c.request for c in changed if c.request.state is RequestState.RUNNING and self._may_coast(c.request, now)]
         for coaster in self._coasting.finishing(step_id):
             self._wake(coaster, step_id)
             self._finish(coaster.request, "length")
-            changed.append(coaster.request)
+            changed.append(Change(coaster.request, []))
         for request in starting:
             rid = request.request_id
             left = min(request.params.max_tokens - len(request.output_token_ids),

@@ -87,7 +87,7 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
                     record.first_token = record.first_token if record.first_token is not None else now
                     record.chunk_times.append(now)
                 if out.finished:
-                    record.end, record.output_tokens = now, len(out.token_ids)
+                    record.end, record.output_tokens = now, out.num_output_tokens
                     bar.update(not record.warmup)
                     if closed and more(now):
                         send(now)

@@ -264,7 +264,7 @@ class Simulator:
         replica.log.record(plan.step_id, self.now, split, coefficients)
         tokens = {s.request_id: [SampledToken(self._stand_in_tokens(1)[0])] for s in plan.seqs if s.sample}
         changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
-        for request in changed:
+        for request, _ in changed:
             record, _, stage = self._live[request.request_id]
             if record.first_token is None:
                 record.first_token = self.now
