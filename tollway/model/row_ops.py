@@ -22,16 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
-from tollway.model.native.build import compiled_library
+from tollway.model.native.build import NATIVE_FLAGS, compiled_library
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
 from tollway.checkpoint import cache_root
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
 _HEADERS = (Path(__file__).with_name("fast_exp.h"),)
-# No -ffast-math: linking with it would switch the whole process to flush-to-zero. Without
-# trapping math, loops with float compares can vectorize.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
 
 
 class TorchRowOps:
@@ -154,4 +151,4 @@ def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLik
 
 def row_ops_library(folder: Path) -> Path | None:
     """row_ops.c built for this machine (see native/build.py); None without a working compiler."""
-    return compiled_library(_SOURCE, folder, _FLAGS, _HEADERS, fallback="torch for the row-wise ops")
+    return compiled_library(_SOURCE, folder, NATIVE_FLAGS, _HEADERS, fallback="torch for the row-wise ops")

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from tollway.model.native.build import compiled_library
+from tollway.model.native.build import NATIVE_FLAGS, compiled_library
 from tollway.model.native.qmatmul import q8_library
 from tollway.checkpoint import cache_root
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
 
 _SOURCE = Path(__file__).with_name("sampling.c")
 _HEADERS = (Path(__file__).with_name("fast_exp.h"),)
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
 
 
 class NativeDraw:
@@ -53,7 +52,7 @@ def native_draw(cache_dir: str | os.PathLike | None = None) -> NativeDraw | None
     None without a compiler, or with TOLLWAY_NATIVE=0."""
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
-    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS,
+    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", NATIVE_FLAGS, _HEADERS,
                            fallback="torch for sampling")
     q8 = q8_library(cache_dir)
     return NativeDraw(ctypes.CDLL(str(lib)), q8.address("q8_parallel")) if lib and q8 else None

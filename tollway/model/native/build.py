@@ -15,6 +15,11 @@ from pathlib import Path
 
 _log = logging.getLogger(__name__)
 
+# For the sources built for this machine alone (row_ops.c, sampling.c). No -ffast-math: linking
+# with it would switch the whole process to flush-to-zero. Without trapping math, loops with
+# float compares can vectorize.
+NATIVE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
+
 
 def compiled_library(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
                      fallback: str = "torch") -> Path | None:
