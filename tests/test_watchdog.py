@@ -21,9 +21,9 @@ def server(make_engine):
     metrics = Metrics(MODEL)
     engine = AsyncEngine(make_engine(kernel="int8"), on_step=metrics.on_step)
     app = create_app(engine, MODEL, metrics)
-    app.state.watchdog.floor = 1.0  # seconds; the measured steps set the bound past that
+    app.state.service.watchdog.floor = 1.0  # seconds; the measured steps set the bound past that
     for url in serving(app):
-        yield {"url": url, "engine": engine, "watchdog": app.state.watchdog}
+        yield {"url": url, "engine": engine, "watchdog": app.state.service.watchdog}
     engine.shutdown()
 
 

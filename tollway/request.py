@@ -6,6 +6,24 @@ import time
 from dataclasses import dataclass, field
 
 
+class InvalidRequest(ValueError):
+    """A request the engine cannot run. `param` names the field at fault by its OpenAI name,
+    so the server's 400 can name it too."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_prompt_length(num_tokens: int, context: int) -> None:
+    """A prompt must leave room in the context for at least one generated token."""
+    if num_tokens == 0:
+        raise InvalidRequest("prompt is empty", "prompt")
+    if num_tokens >= context:
+        raise InvalidRequest(f"prompt is {num_tokens} tokens, but the context is {context}", "prompt",
+                             "context_length_exceeded")
+
+
 @dataclass
 class SamplingParams:
     """OpenAI/vLLM-style sampling parameters. temperature 0 means greedy."""
@@ -22,24 +40,28 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a one-line message for any bad value."""
+        """Raise InvalidRequest, naming the field, for any bad value."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be between 0 and 20, got {self.logprobs!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+             f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be between 0 and 20, got {self.logprobs!r}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be a list of non-empty strings"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
         ]
         if vocab_size is not None:
-            checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size})"))
-        for ok, message in checks:
+            checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+                           f"stop_token_ids must be in [0, {vocab_size})"))
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequest(message, param)
 
     @property
     def greedy(self) -> bool:

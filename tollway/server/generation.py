@@ -1,5 +1,5 @@
-"""From an OpenAI request to engine requests and back: SamplingParams, the n choices of each
-prompt merged into one stream, and the completion / chat response and chunk shapes."""
+"""One API call in the engine: the n choices of each prompt submitted, merged into one stream,
+withdrawn together, and summed into the call's ledger row."""
 from __future__ import annotations
 
 import asyncio
@@ -9,14 +9,13 @@ from dataclasses import dataclass, field
 
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
-from tollway.text.tokenizer import Tokenizer
 from tollway.outputs import RequestOutput
-from tollway.request import SamplingParams
+from tollway.request import InvalidRequest
 from tollway.scheduler.scheduler import QueueFullError
 from tollway.server.call_ids import new_call_id
 from tollway.server.errors import APIError
-from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tollway.server.service_tier import WIRE_NAME
+from tollway.server.validation import Submission, invalid
 
 
 @dataclass
@@ -31,6 +30,16 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
+
+    def absorb(self, out: RequestOutput) -> None:
+        """Fold in the engine's next output."""
+        self.pieces.append(out.new_text)
+        self.text_len += len(out.new_text)
+        self.num_tokens = out.num_output_tokens
+        self.logprobs.extend(out.new_logprobs)
+        self.output = out
+        if out.finished:
+            self.finish_reason = out.finish_reason
 
 
 class Generation:
@@ -56,13 +65,13 @@ class Generation:
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
         self._pumps: list[asyncio.Task] = []
 
-    async def start(self, engine: AsyncEngine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    async def start(self, engine: AsyncEngine, submission: Submission) -> None:
         """Submit every choice; if any is refused, withdraw the others and raise."""
-        self.prompts, self.n = prompts, len(params)
+        self.prompts, self.n = submission.prompts, len(submission.params)
         try:
-            for p, prompt in enumerate(prompts):
-                for i, sp in enumerate(params):
-                    index = p * len(params) + i
+            for p, prompt in enumerate(self.prompts):
+                for i, sp in enumerate(submission.params):
+                    index = p * self.n + i
                     self.choices.append(Choice(index, prompt))
                     # Shielded: a caller that leaves meanwhile must not lose the stream of an add
                     # that lands anyway, or what it ran would go unaborted and unbilled.
@@ -72,9 +81,9 @@ class Generation:
         except QueueFullError as e:
             self.abort()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        except ValueError as e:
+        except InvalidRequest as e:  # what only the engine knows: the vocabulary, a lane's KV share
             self.abort()
-            raise APIError(400, str(e), code="invalid_value") from None
+            raise invalid(e, self.kind == "chat") from None
 
     def request_id(self, index: int) -> str:
         """The engine request id of choice `index`."""
@@ -163,21 +172,6 @@ def _abort_added(add: asyncio.Future) -> None:
         add.result().abort()
 
 
-MAX_TAGS = 16
-
-
-def request_tags(req: SamplingFields, header: str | None) -> list[str]:
-    """A request's tags: its `metadata` pairs as "key=value", then the comma-separated
-    x-tollway-tags header."""
-    tags = [f"{k}={v}" for k, v in (req.metadata or {}).items()]
-    tags += [t.strip() for t in (header or "").split(",") if t.strip()]
-    tags = list(dict.fromkeys(tags))
-    if len(tags) > MAX_TAGS or any(len(t) > 128 for t in tags):
-        raise APIError(400, f"at most {MAX_TAGS} tags of up to 128 characters each (metadata and x-tollway-tags)",
-                       param="metadata")
-    return tags
-
-
 def ledger_row(gen: Generation, meter) -> LedgerRow:
     """The ledger's row for a finished (or abandoned) API call: every choice summed."""
     outs = [c.output for c in gen.choices if c.output is not None]
@@ -204,67 +198,3 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
         price=meter.price_card.billed(gen.tier, prompt, completion),
         finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
     )
-
-
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
-        # n > 1 with a seed: each choice its own reproducible stream
-        seed=None if req.seed is None else req.seed + n_index, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-        min_tokens=req.min_tokens,
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-    return params
-
-
-def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    if isinstance(req, ChatCompletionRequest):
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:  # OpenAI's content parts: keep the text ones
-            if isinstance(m.get("content"), list):
-                m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
-        try:
-            text = tokenizer.apply_chat_template(messages)
-        except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return [tokenizer.encode(text, add_special_tokens=False)]
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
-    if not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [tokenizer.encode(p) for p in prompt]
-    return [list(p) for p in prompt]
-
-
-def token_entry(tokenizer: Tokenizer, entry: dict) -> dict:
-    """One generated token's logprobs in the chat shape (token, logprob, bytes, top_logprobs)."""
-    def piece(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    text = piece(entry["token_id"])
-    out = {"token": text, "logprob": entry["logprob"], "bytes": list(text.encode())}
-    top = entry.get("top_logprobs") or {}
-    out["top_logprobs"] = [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in top.items()]
-    return out
-
-
-def completion_logprobs(tokenizer: Tokenizer, entries: list[dict], offset: int) -> dict:
-    """The legacy completions shape: parallel lists, text offsets from `offset`."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for entry in entries:
-        e = token_entry(tokenizer, entry)
-        tokens.append(e["token"])
-        token_logprobs.append(e["logprob"])
-        top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
-        offsets.append(offset)
-        offset += len(e["token"])
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

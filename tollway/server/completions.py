@@ -1,0 +1,83 @@
+"""POST /v1/completions and /v1/chat/completions: a body checked (validation.py) becomes a
+Generation in the lane the key may use, answered whole or as server-sent events.
+
+A client that hangs up has its request withdrawn (aborted in the engine, billed for what ran)
+wherever it was: being admitted, queued, running, or streaming."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, Response
+
+from tollway.config import KeySpec
+from tollway.server import errors
+from tollway.server.call_ids import trusted_call_id
+from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
+from tollway.server.errors import APIError
+from tollway.server.generation import Generation
+from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
+from tollway.server.responses import chunk_choice, event
+from tollway.server.service import Service, caller, service
+from tollway.server.service_tier import tier_for
+
+router = APIRouter()
+
+
+def _call_id(request: Request, svc: Service = Depends(service)) -> str | None:
+    return trusted_call_id(request.headers, svc.fleet_secret)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, req: CompletionRequest, key: KeySpec | None = Depends(caller),
+                      x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(_call_id),
+                      svc: Service = Depends(service)) -> Response:
+    return await _serve(svc, request, req, key, x_tollway_tags, call)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, req: ChatCompletionRequest, key: KeySpec | None = Depends(caller),
+                           x_tollway_tags: str | None = Header(default=None), call: str | None = Depends(_call_id),
+                           svc: Service = Depends(service)) -> Response:
+    return await _serve(svc, request, req, key, x_tollway_tags, call)
+
+
+async def _serve(svc: Service, request: Request, req: CompletionRequest | ChatCompletionRequest,
+                 key: KeySpec | None, tags_header: str | None, call: str | None) -> Response:
+    try:
+        return await unless_disconnected(request, _respond(svc, req, key, tags_header, call))
+    except ClientGone:
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
+
+
+async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest, key: KeySpec | None,
+                   tags_header: str | None, call: str | None) -> Response:
+    tier = svc.gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
+    sub = svc.validate(req, tags_header)
+    gen = await svc.start(sub, tier, key, call)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return ClosingStreamingResponse(_events(svc, gen, include_usage, sub.echo), lambda: svc.withdraw(gen),
+                                        media_type="text/event-stream")
+    body = await svc.collect(gen, sub.echo)
+    headers = {"x-tollway-cost": f"{body['usage']['cost']:.10f}"} if svc.meter is not None else None
+    return JSONResponse(body, headers=headers)
+
+
+async def _events(svc: Service, gen: Generation, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+    started = set()
+    try:
+        async for choice, out in gen.updates():
+            choice.absorb(out)
+            body = chunk_choice(gen, choice, out, choice.index not in started, echo, svc.tokenizer)
+            started.add(choice.index)
+            extra = {"usage": None} if include_usage else {}
+            yield event(gen.envelope([body], chunk=True, **extra))
+        await svc.settle(gen)
+        if include_usage:
+            yield event(gen.envelope([], chunk=True, usage=gen.usage()))
+    except APIError as e:  # too late for a status code: the error goes in the stream
+        yield event(errors.error_body(e.status, e.message, e.param, e.code))
+    except Exception as e:  # noqa: BLE001 -- the engine died under this stream
+        yield event(errors.error_body(500, f"internal error: {type(e).__name__}"))
+    yield "data: [DONE]\n\n"  # the response's on_close withdraws and settles whatever is left

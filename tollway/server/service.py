@@ -1,0 +1,131 @@
+"""The server's state and the life of an API call, shared by the route modules: the engine,
+and what meters, limits and watches it. An app keeps its Service in app.state; routes reach
+it through the `service` and `caller` dependencies."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fastapi import Header, Request
+
+from tollway.async_engine import AsyncEngine
+from tollway.config import KeySpec
+from tollway.meter.budgets import BudgetExceeded
+from tollway.meter.meter import Meter
+from tollway.server.batch_runner import BatchRunner
+from tollway.server.batch_store import BatchStore
+from tollway.server.errors import APIError
+from tollway.server.generation import Generation, ledger_row
+from tollway.server.keys import Gatekeeper
+from tollway.server.live_stats import LiveStats
+from tollway.server.metrics import Metrics
+from tollway.server.responses import final_choice
+from tollway.server.validation import Submission, batch_line, validate
+from tollway.server.watchdog import Watchdog
+from tollway.storage.database import Database
+
+
+class Service:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
+                 gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
+                 meter: Meter | None = None, fleet_secret: str | None = None):
+        """See create_app (app.py) for what each is."""
+        self.engine, self.model_name, self.metrics, self.meter = engine, model_name, metrics, meter
+        self.gatekeeper = gatekeeper or Gatekeeper([])
+        self.fleet_secret = fleet_secret
+        if meter is not None:
+            engine.observe(meter.on_step)
+            if metrics is not None:
+                metrics.bill(meter)
+        self.stats = LiveStats(meter, engine)
+        engine.observe(self.stats.on_step)  # after the meter's: it reads the meter's charges for the step
+        self.watchdog = Watchdog(engine)
+        if metrics is not None:
+            metrics.watch(engine, self.watchdog)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.batch_store = BatchStore(batch_dir) if batch_dir is not None else None
+        self.batch_runner = BatchRunner(self.batch_store, self.complete_in_batch_lane) \
+            if self.batch_store is not None else None
+        self._settling: set[asyncio.Task] = set()  # ledger rows of withdrawn calls, being written
+
+    def validate(self, req, tags_header: str | None = None) -> Submission:
+        return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
+
+    async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None) -> Generation:
+        """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a
+        fleet's ingress gave it."""
+        meter = self.meter
+        gen = Generation(sub.kind, self.model_name, tier, call)
+        gen.key, gen.tags = key.name if key else "", sub.tags
+        ids = gen.request_ids(sub.num_requests)
+        if meter is not None:
+            most = meter.price_card.billed(tier, sub.prompt_tokens, sub.most_output_tokens)  # the most it can be billed
+            try:
+                await asyncio.to_thread(meter.budgets.reserve, gen.id, gen.key, sub.tags, most)
+            except BudgetExceeded as e:
+                raise APIError(429, str(e), code="budget_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
+        try:
+            if key is not None and key.limited:  # a transaction in the key store's database: off the event loop
+                await asyncio.to_thread(self.gatekeeper.admit, key, sub.prompt_tokens + sub.most_output_tokens)
+            if meter is not None:
+                gen.metered = True
+                meter.watch(ids)
+            await gen.start(self.engine, sub)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and (gen.metered or meter is None):
+                self.withdraw(gen)  # the client left while it was being added: abort what lands, bill what ran
+            elif meter is not None:  # refused before any engine work: nothing to record, nothing to hold
+                gen.metered = False
+                meter.release(ids)
+                asyncio.get_running_loop().run_in_executor(None, meter.budgets.release, gen.id)
+            raise
+        return gen
+
+    async def settle(self, gen: Generation) -> None:
+        """Write the call's ledger row durably (before its response ends), once however the
+        call ends, and put its cost and price into gen.usage()."""
+        if gen.metered:
+            gen.metered = False
+            await self._record(gen)
+
+    async def _record(self, gen: Generation) -> None:
+        await gen.ended()  # the engine's last word on every choice: all the steps it was in
+        row = ledger_row(gen, self.meter)
+        gen.cost, gen.price, gen.engine_seconds = row.cost, row.price, row.engine_seconds
+        await asyncio.to_thread(self.meter.settle, row)
+
+    def withdraw(self, gen: Generation) -> None:
+        """The call ends early or has ended (its caller may be gone): abort what still runs, and
+        settle in the background once the engine has ended each abort."""
+        gen.abort()
+        if gen.metered:
+            gen.metered = False
+            task = asyncio.get_running_loop().create_task(self._record(gen))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def collect(self, gen: Generation, echo: bool) -> dict:
+        """Run the choices to the end: the non-streaming response body."""
+        try:
+            async for choice, out in gen.updates():
+                choice.absorb(out)
+            await self.settle(gen)
+        finally:
+            self.withdraw(gen)
+        return gen.envelope([final_choice(gen, c, echo, self.tokenizer) for c in gen.choices], usage=gen.usage())
+
+    async def complete_in_batch_lane(self, url: str, body: dict) -> dict:
+        """One Batch API line: what POST `url` with `body` would return, run in the batch lane."""
+        sub = self.validate(batch_line(url, body))
+        return await self.collect(await self.start(sub, "batch", None, None), sub.echo)
+
+
+def service(request: Request) -> Service:
+    """The app's Service, for a route's Depends."""
+    return request.app.state.service
+
+
+def caller(request: Request, authorization: str | None = Header(default=None)) -> KeySpec | None:
+    """The API key the request came with (None when keys are off); 401 without a good one."""
+    return service(request).gatekeeper.authenticate(authorization)

@@ -1,0 +1,144 @@
+"""The one check of an API call: a completions or chat body becomes what the engine runs for it
+(a Submission: prompt ids and SamplingParams per choice), or an APIError that names the OpenAI
+parameter at fault.
+
+The rules themselves are the engine's (SamplingParams.validate, check_prompt_length in
+request.py), so a request refused here is refused for the same reason and in the same words as
+one added from Python; the layers below trust what passes, and only re-run those cheap checks
+for their direct callers. What only the engine can know (token ids past the vocabulary, a prompt
+past a lane's KV share) comes back from the add as InvalidRequest, named the same way
+(generation.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+
+from tollway.request import InvalidRequest, SamplingParams, check_prompt_length
+from tollway.server.errors import APIError
+from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tollway.text.tokenizer import Tokenizer
+
+MAX_TAGS = 16
+KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """An API call checked against the model: every prompt times every choice's params."""
+
+    kind: str  # "completion" | "chat"
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice, the same for every prompt
+    tags: list[str]
+    echo: bool  # completions only: the prompt's text leads each choice's
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts) * len(self.params)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def most_output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params) * len(self.prompts)
+
+
+def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, tokenizer: Tokenizer,
+             max_model_len: int, tags_header: str | None = None) -> Submission:
+    """`req` as the engine's inputs; raises APIError naming the parameter at fault."""
+    chat = isinstance(req, ChatCompletionRequest)
+    tags = request_tags(req, tags_header)
+    if req.model is not None and req.model != model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
+                       param="model", code="model_not_found")
+    prompts = token_prompts(req, tokenizer)
+    longest = max(len(p) for p in prompts)
+    try:
+        check_prompt_length(longest, max_model_len)
+    except InvalidRequest as e:
+        raise invalid(e, chat) from None
+    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    max_tokens = asked or (max_model_len - longest if chat else 16)
+    if longest + max_tokens > max_model_len:
+        raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
+                            f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
+    logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
+    params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+    return Submission("chat" if chat else "completion", prompts, params, tags, not chat and req.echo)
+
+
+def invalid(e: InvalidRequest, chat: bool) -> APIError:
+    """The engine's refusal as a 400; a chat's prompt is its messages."""
+    param = "messages" if chat and e.param == "prompt" else e.param
+    return APIError(400, str(e), param=param, code=e.code)
+
+
+def batch_line(url: str, body: dict) -> CompletionRequest | ChatCompletionRequest:
+    """One Batch API line's body, parsed as POST `url` would parse it."""
+    kind = KINDS.get(url)
+    if kind is None:
+        raise APIError(400, f"unsupported url {url!r}; use /v1/chat/completions or /v1/completions", param="url")
+    model: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
+    if req.stream:
+        raise APIError(400, "stream is not supported in a batch", param="stream")
+    return req
+
+
+def request_tags(req: SamplingFields, header: str | None) -> list[str]:
+    """A request's tags: its `metadata` pairs as "key=value", then the comma-separated
+    x-tollway-tags header."""
+    tags = [f"{k}={v}" for k, v in (req.metadata or {}).items()]
+    tags += [t.strip() for t in (header or "").split(",") if t.strip()]
+    tags = list(dict.fromkeys(tags))
+    if len(tags) > MAX_TAGS or any(len(t) > 128 for t in tags):
+        raise APIError(400, f"at most {MAX_TAGS} tags of up to 128 characters each (metadata and x-tollway-tags)",
+                       param="metadata")
+    return tags
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
+        # n > 1 with a seed: each choice its own reproducible stream
+        seed=None if req.seed is None else req.seed + n_index, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        min_tokens=req.min_tokens,
+    )
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        raise invalid(e, False) from None
+    return params
+
+
+def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    if isinstance(req, ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:  # OpenAI's content parts: keep the text ones
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return [tokenizer.encode(text, add_special_tokens=False)]
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
