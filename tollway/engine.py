@@ -19,7 +19,7 @@ from tollway.model.step_profile import profile_key, profile_step_times, samples_
 from tollway.checkpoint import cache_root, derived_cache_file
 from tollway.model.weights import LoadedModel, load_weights
 from tollway.outputs import RequestOutput
-from tollway.request import Request, SamplingParams
+from tollway.request import InvalidRequest, Request, SamplingParams
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
@@ -99,7 +99,8 @@ class Engine:
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+                raise InvalidRequest(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})",
+                                     "prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.scheduler.add(Request(request_id, ids, params, tier=tier, eos_token_ids=tuple(eos)))
@@ -166,15 +167,14 @@ class Engine:
         self.last_result = result
         outputs = []
         now = time.monotonic()
-        for req, new_ids in self.scheduler.commit(plan, result):  # several tokens where drafts were kept
-            stream = self.streams.get(req.request_id)
-            if stream is not None and any(stream.push(t) for t in new_ids):  # stops at the first match
-                if req.finished:  # the same token also hit max_tokens: the stop string wins, as in OpenAI
-                    req.finish_reason = "stop"
-                else:
-                    self.scheduler.finish(req.request_id, "stop")
+        for req, new_ids in self.scheduler.commit(plan, result, self._stop_string):  # more than one where drafts held
             outputs.append(self._output(req, new_ids, now))
         return outputs
+
+    def _stop_string(self, request: Request, token_id: int) -> bool:
+        """Feed the token to the request's text; whether it completed a stop string."""
+        stream = self.streams.get(request.request_id)
+        return stream is not None and stream.push(token_id)
 
     def _output(self, req: Request, new_ids: list[int], now: float) -> RequestOutput:
         """The request's output as of now; the last one when it has finished (its text stream is

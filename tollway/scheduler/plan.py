@@ -1,11 +1,12 @@
-"""StepPlan and StepResult: the whole contract between the scheduler and the runner."""
+"""StepPlan and StepResult: the whole contract between the scheduler and the runner; and
+Change, what committing a StepResult did to one request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from tollway.request import SamplingParams
+from tollway.request import Request, SamplingParams
 from tollway.scheduler.step_model import StepShape
 
 
@@ -133,3 +134,12 @@ class StepResult:
     # Only for sequences with sample=True: the accepted drafts (if any), then the sampled token.
     tokens: dict[str, list[SampledToken]]
     seconds: float
+
+
+class Change(NamedTuple):
+    """What a commit did to one request: the tokens it appended (none for a coaster the
+    simulator caught up; see sim/coasting_scheduler.py), and whether it finished (on the
+    request: finished, finish_reason)."""
+
+    request: Request
+    new_token_ids: list[int]

@@ -14,18 +14,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 from tollway.config import SchedulerConfig
-from tollway.request import Request, RequestState
+from tollway.request import InvalidRequest, Request, RequestState, check_prompt_length
 from tollway.scheduler.blocks import BlockPool
-from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+from tollway.scheduler.plan import Change, ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 RETRY_AFTER_SECONDS = 1
+# Takes each token a request appends; whether it completed one of its stop strings (the engine's
+# text streams match them: engine.py).
+StopString = Callable[[Request, int], bool]
 
 
 class QueueFullError(ValueError):
@@ -35,15 +37,6 @@ class QueueFullError(ValueError):
         super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
         self.tier = tier
         self.retry_after = RETRY_AFTER_SECONDS
-
-
-class Change(NamedTuple):
-    """What a commit did to one request: the tokens it appended (none for a coaster the
-    simulator caught up; see sim/coasting_scheduler.py), and whether it finished (on the
-    request: finished, finish_reason)."""
-
-    request: Request
-    new_token_ids: list[int]
 
 
 class Scheduler:
@@ -96,15 +89,11 @@ class Scheduler:
             raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
         if rid in self._entries:
             raise ValueError(f"request id {rid!r} is already in use")
-        if num_prompt == 0:
-            raise ValueError("prompt is empty")
-        if num_prompt >= self.config.max_model_len:
-            raise ValueError(f"prompt is {num_prompt} tokens, but the context is {self.config.max_model_len}")
+        check_prompt_length(num_prompt, self.config.max_model_len)
         if num_prompt >= self.max_len(request.tier):
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt is {num_prompt} tokens, but the KV cache holds only {self.max_len(request.tier) - 1} "
-                f"for the {request.tier} tier ({self.pool.num_blocks} blocks of {self.pool.block_size})"
-            )
+                f"for the {request.tier} tier ({self.pool.num_blocks} blocks of {self.pool.block_size})", "prompt")
         request.params.validate()
         queue = self.waiting[request.tier]
         if len(queue) >= self.tiers[request.tier].max_queue:
@@ -115,8 +104,8 @@ class Scheduler:
         self.policy.queued(request)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
-        """Finish a waiting or running request (e.g. the engine matched a stop string) and free
-        its blocks. Returns it, or None if no unfinished request has this id."""
+        """Finish a waiting or running request from outside a step (an abort) and free its
+        blocks. Returns it, or None if no unfinished request has this id."""
         entry = self._entries.get(request_id)
         request = entry.request if entry is not None else None
         if request is not None:
@@ -209,9 +198,9 @@ class Scheduler:
         predicted = predicted if self.step_model and step.num_seqs else None
         return self._make_plan(step, kernel, preempted, predicted)
 
-    def commit(self, plan: StepPlan, result: StepResult) -> list[Change]:
-        """Apply a step's outcome. Returns what changed for each request that got a token
-        (and perhaps finished)."""
+    def commit(self, plan: StepPlan, result: StepResult, stop_string: StopString | None = None) -> list[Change]:
+        """Apply a step's outcome; what changed for each request that got a token (and perhaps
+        finished: every reason to finish is decided here, a stop string by `stop_string`)."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if plan.step_id != self._step_id or self._in_flight is None:
@@ -241,7 +230,7 @@ class Scheduler:
                     request.output_logprobs.append(
                         {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
                     )
-                reason = self._stop_reason(request, token.token_id)
+                reason = self._stop_reason(request, token.token_id, stop_string)
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             if seq.start_pos // bs != request.num_computed_tokens // bs:
@@ -279,7 +268,7 @@ class Scheduler:
         """A step is committed; `changed` may grow."""
 
     def _before_finish(self, request: Request) -> None:
-        """`request` is about to be finished from outside the step (a stop string, an abort)."""
+        """`request` is about to be finished from outside a step (an abort)."""
 
     def _before_victims(self) -> None:
         """Victims are about to be chosen among the requests planned one by one."""
@@ -463,8 +452,10 @@ class Scheduler:
         self.policy.queued(victim)
         preempted.append(rid)
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, stop_string: StopString | None) -> str | None:
         params = request.params
+        if stop_string is not None and stop_string(request, token_id):  # first: it wins over length, as in OpenAI
+            return "stop"
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_len(request.tier):

@@ -15,8 +15,8 @@ from functools import cached_property
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
-from tollway.scheduler.plan import StepPlan
-from tollway.scheduler.scheduler import Change, Scheduler
+from tollway.scheduler.plan import Change, StepPlan
+from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 from tollway.sim.coasting import Coaster, Coasting, CoastStep
