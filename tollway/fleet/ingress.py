@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -41,66 +41,41 @@ _RETURN = ("content-type", "x-tollway-cost", "retry-after")
 _UNSPECIFIED_MAX_TOKENS = 256
 
 
-def create_ingress(fleet) -> FastAPI:
-    router, metrics = fleet.router, fleet.metrics
-    client: httpx.AsyncClient | None = None
+class Ingress:
+    """The front's state: the fleet, its router and metrics, and the HTTP client to the replicas."""
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        nonlocal client
+    def __init__(self, fleet):
+        self.fleet, self.router, self.metrics = fleet, fleet.router, fleet.metrics
+        self.client: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
         # No read timeout: a generation may take minutes, and a dead replica closes its socket.
-        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
-        await fleet.connect()
-        yield
-        await fleet.disconnect()
-        await client.aclose()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None))
+        await self.fleet.connect()
 
-    app = FastAPI(title="tollway fleet", lifespan=lifespan)
-    errors.install(app)
+    async def close(self) -> None:
+        await self.fleet.disconnect()
+        await self.client.aclose()
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        states = [{"replica": r.index, "alive": r.alive, "draining": r.draining} for r in router.replicas]
-        if not any(r.routable for r in router.replicas):
-            return JSONResponse(errors.error_body(503, "no replica is serving") | {"replicas": states}, status_code=503)
-        return JSONResponse({"status": "ok", "replicas": states})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        live = [r for r in router.replicas if r.alive]
-        texts = await asyncio.gather(*(_scrape(r) for r in live))
-        body = metrics.exposition({str(r.index): t for r, t in zip(live, texts) if t is not None})
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    async def _scrape(replica: ReplicaState) -> str | None:
+    async def scrape(self, replica: ReplicaState) -> str | None:
         try:
-            resp = await client.get(replica.url + "/metrics", timeout=10.0)
+            resp = await self.client.get(replica.url + "/metrics", timeout=10.0)
             return resp.text if resp.status_code == 200 else None
         except httpx.HTTPError:
             return None
 
-    @app.get("/dashboard/data")
-    async def dashboard_data(request: Request) -> Response:
-        return await fleet_data(client, router.replicas, request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _route(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _route(request, "/v1/chat/completions")
-
-    async def _route(request: Request, path: str) -> Response:
+    async def route(self, request: Request, path: str) -> Response:
         """A client that hangs up before its response begins has it withdrawn: the replica's
         connection is closed, so the replica aborts it too (and bills what ran)."""
         body = await request.body()
         try:
-            return await unless_disconnected(request, _place(request, body, path))
+            return await unless_disconnected(request, self._place(request, body, path))
         except ClientGone:
             return Response(status_code=499)
 
-    async def _place(request: Request, body: bytes, path: str) -> Response:
+    async def _place(self, request: Request, body: bytes, path: str) -> Response:
+        router, metrics, fleet = self.router, self.metrics, self.fleet
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
         # One id for the call on every replica tried: a retry of a call already billed is not billed again.
         headers |= {CALL_ID: new_call_id(), FLEET_SECRET: fleet.secret}
@@ -138,19 +113,20 @@ def create_ingress(fleet) -> FastAPI:
                     return failure or _unavailable()
                 continue
             try:
-                return await _attempt(replica, path, body, headers, stream)
+                return await self._attempt(replica, path, body, headers, stream)
             except _NotServed as e:
                 tried.add(replica.index)
                 metrics.retried.labels(tier, e.why).inc()
                 failure = e.refusal or failure
 
-    async def _attempt(replica: ReplicaState, path: str, body: bytes, headers: dict, stream: bool) -> Response:
+    async def _attempt(self, replica: ReplicaState, path: str, body: bytes, headers: dict, stream: bool) -> Response:
         """The replica's response, committed; _NotServed if another replica should have it."""
+        client = self.client
         try:
             resp = await client.send(client.build_request("POST", replica.url + path, content=body, headers=headers),
                                      stream=True)
         except httpx.TransportError:
-            await fleet.check(replica, client)
+            await self.fleet.check(replica, client)
             raise _NotServed("replica_lost") from None
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN}
         out_headers["x-tollway-replica"] = str(replica.index)
@@ -168,16 +144,16 @@ def create_ingress(fleet) -> FastAPI:
                 first += await anext(chunks)
         except (httpx.HTTPError, StopAsyncIteration):
             await resp.aclose()
-            await fleet.check(replica, client)
+            await self.fleet.check(replica, client)
             raise _NotServed("replica_lost") from None
         except BaseException:  # _NotServed, or the client left: let the replica's connection go
             await resp.aclose()
             raise
         # Closed however the relay ends: a client gone before its first byte never starts it.
-        return ClosingStreamingResponse(_relay(replica, resp, first, chunks), resp.aclose, headers=out_headers,
+        return ClosingStreamingResponse(self._relay(replica, resp, first, chunks), resp.aclose, headers=out_headers,
                                         media_type="text/event-stream")
 
-    async def _relay(replica: ReplicaState, resp: httpx.Response, first: bytes,
+    async def _relay(self, replica: ReplicaState, resp: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The replica's stream; if it breaks off before its [DONE], an error event ends it."""
         tail = first[-64:]
@@ -193,29 +169,88 @@ def create_ingress(fleet) -> FastAPI:
             why = type(e).__name__
         finally:
             await resp.aclose()
-        metrics.failed_streams.labels(str(replica.index)).inc()
+        self.metrics.failed_streams.labels(str(replica.index)).inc()
         # Checked before the client hears of it: by then the fleet no longer lists a dead replica as alive.
-        await fleet.check(replica, client)
+        await self.fleet.check(replica, self.client)
         error = errors.error_body(500, f"replica {replica.index} failed mid-stream ({why}); the response is incomplete",
                                   code="replica_failed")
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
-    async def passthrough(path: str, request: Request) -> Response:
-        home = fleet.home()
+    async def pass_through(self, path: str, request: Request) -> Response:
+        """Anything else, to the first live replica."""
+        home = self.fleet.home()
         if home is None:
             return JSONResponse(errors.error_body(503, "no replica is serving"), status_code=503)
         url = f"{home.url}/{path}" + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        client = self.client
         try:
             resp = await client.send(client.build_request(request.method, url, content=await request.body(),
                                                           headers=headers), stream=True)
         except httpx.TransportError:
-            await fleet.check(home, client)
+            await self.fleet.check(home, client)
             return JSONResponse(errors.error_body(503, "the replica did not answer"), status_code=503)
         kept = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
         return ClosingStreamingResponse(resp.aiter_raw(), resp.aclose, status_code=resp.status_code, headers=kept)
 
+
+def ingress(request: Request) -> Ingress:
+    return request.app.state.ingress
+
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health(ing: Ingress = Depends(ingress)) -> JSONResponse:
+    replicas = ing.router.replicas
+    states = [{"replica": r.index, "alive": r.alive, "draining": r.draining} for r in replicas]
+    if not any(r.routable for r in replicas):
+        return JSONResponse(errors.error_body(503, "no replica is serving") | {"replicas": states}, status_code=503)
+    return JSONResponse({"status": "ok", "replicas": states})
+
+
+@routes.get("/metrics")
+async def prometheus(ing: Ingress = Depends(ingress)) -> Response:
+    live = [r for r in ing.router.replicas if r.alive]
+    texts = await asyncio.gather(*(ing.scrape(r) for r in live))
+    body = ing.metrics.exposition({str(r.index): t for r, t in zip(live, texts) if t is not None})
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/dashboard/data")
+async def dashboard_data(request: Request, ing: Ingress = Depends(ingress)) -> Response:
+    return await fleet_data(ing.client, ing.router.replicas, request)
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request, ing: Ingress = Depends(ingress)) -> Response:
+    return await ing.route(request, "/v1/completions")
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request, ing: Ingress = Depends(ingress)) -> Response:
+    return await ing.route(request, "/v1/chat/completions")
+
+
+@routes.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])  # last: it matches every path
+async def passthrough(path: str, request: Request, ing: Ingress = Depends(ingress)) -> Response:
+    return await ing.pass_through(path, request)
+
+
+def create_ingress(fleet) -> FastAPI:
+    ing = Ingress(fleet)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await ing.open()
+        yield
+        await ing.close()
+
+    app = FastAPI(title="tollway fleet", lifespan=lifespan)
+    app.state.ingress = ing
+    errors.install(app)
+    app.include_router(routes)
     return app
 
 
