@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, run_benchmark  # noqa: E402
-from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
@@ -48,9 +48,9 @@ QUICK = dict(users=6, requests=18, warmup=2.0, prompt=(32, 8, 16, 48), output=(1
 FLEETS = (1, 2)
 
 
-def _workload(s: dict) -> tuple[Workload, Profile, Limits]:
+def _workload(s: dict) -> tuple[Workload, LoadPattern, Limits]:
     return (Workload(Lengths(*s["prompt"]), Lengths(*s["output"]), True, s["mix"], None, seed=5),
-            Profile(f"concurrency {s['users']}", concurrency=s["users"]),
+            LoadPattern(f"concurrency {s['users']}", concurrency=s["users"]),
             Limits(max_requests=s["requests"], warmup=s["warmup"]))
 
 

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, targets_line, write_readme  # noqa: E402
-from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import stage_dict  # noqa: E402
 from tollway.bench.stats import SLO  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
@@ -95,9 +95,9 @@ def measure_real(s: dict, saved: Path) -> None:
                                  "runner_over_profile": statistics.fmean(ratios)}))
 
 
-def _workload(s: dict) -> tuple[Workload, Profile, Limits]:
+def _workload(s: dict) -> tuple[Workload, LoadPattern, Limits]:
     return (Workload(Lengths(*s["prompt"]), Lengths(*s["output"]), True, s["mix"], None, seed=11),
-            Profile(f"concurrency {s['users']}", concurrency=s["users"]),
+            LoadPattern(f"concurrency {s['users']}", concurrency=s["users"]),
             Limits(max_requests=s["requests"], warmup=s["warmup"]))
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, run_benchmark  # noqa: E402
-from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import load_config  # noqa: E402
 from tollway.checkpoint import model_config  # noqa: E402
@@ -40,7 +40,7 @@ def run(s: dict, quick: bool) -> dict:
                         {"fast": 0.1, "standard": 0.9}, None, seed=3)
     sim = Simulator(config, profile, s["replicas"], "tier_aware", seed=3, token_times=0)
     wall, cpu = time.perf_counter(), time.process_time()
-    stage = sim.run_stage(workload, Profile(f"rate {s['rate']:g}/s", rate=s["rate"]), Limits(s["requests"]))
+    stage = sim.run_stage(workload, LoadPattern(f"rate {s['rate']:g}/s", rate=s["rate"]), Limits(s["requests"]))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     seq_steps = sum(seqs for _, seqs, _, _ in sim.steps)
     done = sum(r.end is not None and r.error is None for r in stage.records)

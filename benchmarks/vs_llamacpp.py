@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 
 from bench_example import free_port  # noqa: E402
 from common import machine_info, run_benchmark, targets_line  # noqa: E402
-from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.text.tokenizer import Tokenizer  # noqa: E402
@@ -236,7 +236,7 @@ def run_loads(name: str, command: list[str], port: int, loads: list[Load], token
                                 ignore_eos=True, seed=load.seed)
             config = BenchConfig(f"http://127.0.0.1:{port}", DEFAULT_MODEL, workload,
                                  Limits(max_requests=load.requests, warmup=WARMUP_SECONDS),
-                                 [Profile(load.name, concurrency=load.concurrency)], label=name)
+                                 [LoadPattern(load.name, concurrency=load.concurrency)], label=name)
             figures[load.name] = _load_figures(run_bench(config, tokenizer, show=True))
         load_average["end"] = os.getloadavg()[0]
         return {"loads": figures, "memory": resident_memory(server.pid), "load_average": load_average}

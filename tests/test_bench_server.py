@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from live_server import MODEL, make_meter, running_server
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.report import load_result, render, write_report
 from tollway.bench.run import BenchConfig, run_bench, write_result
 from tollway.bench.stats import SLO, percentile, request_latencies
@@ -40,7 +40,7 @@ def bench(server, tokenizer, profile, requests=6, mix=None, sweep=None, **option
 
 
 def test_prompts_have_the_exact_token_count_the_server_reports(server, default_tokenizer):
-    result = bench(server, default_tokenizer, Profile("concurrency 3", concurrency=3), requests=6,
+    result = bench(server, default_tokenizer, LoadPattern("concurrency 3", concurrency=3), requests=6,
                    slo=SLO.parse("ttft=30s,tpot=5s"))
     (stage,) = result["stages"]
     records = stage["requests"]
@@ -68,7 +68,7 @@ def test_prompts_have_the_exact_token_count_the_server_reports(server, default_t
 
 def test_a_rate_stage_with_warmup_measures_only_after_it(server, default_tokenizer):
     config = BenchConfig(server["url"], MODEL, workload({"standard": 1.0}), Limits(max_requests=3, warmup=0.5),
-                         [Profile("rate 8/s", rate=8.0, burstiness=0.5)])
+                         [LoadPattern("rate 8/s", rate=8.0, burstiness=0.5)])
     (stage,) = run_bench(config, default_tokenizer, show=False)["stages"]
     measured = [r for r in stage["requests"] if not r["warmup"]]
     assert len(measured) == 3 and all(r["sent"] - stage["start"] >= 0.5 for r in measured)
@@ -77,11 +77,11 @@ def test_a_rate_stage_with_warmup_measures_only_after_it(server, default_tokeniz
 
 def test_unreachable_and_refusing_servers_are_counted_as_errors(server, default_tokenizer):
     config = BenchConfig("http://127.0.0.1:9", MODEL, workload({"standard": 1.0}), Limits(max_requests=2),
-                         [Profile("concurrency 1", concurrency=1)])
+                         [LoadPattern("concurrency 1", concurrency=1)])
     (stage,) = run_bench(config, default_tokenizer, show=False)["stages"]
     assert stage["summary"]["all"]["errors"] == {"connection": 2}
     config = BenchConfig(server["url"], "no-such-model", workload({"standard": 1.0}), Limits(max_requests=2),
-                         [Profile("concurrency 2", concurrency=2)])
+                         [LoadPattern("concurrency 2", concurrency=2)])
     (stage,) = run_bench(config, default_tokenizer, show=False)["stages"]
     assert stage["summary"]["all"]["errors"] == {"http_404": 2} and stage["summary"]["all"]["completed"] == 0
 

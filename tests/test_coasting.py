@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.workload import Lengths, Workload
 from tollway.config import EngineConfig, SchedulerConfig
 from tollway.request import Request, SamplingParams
@@ -42,7 +42,7 @@ def _config(policy="lanes", fast=None, standard=None, batch_window=None) -> Sche
 def _simulate(config, profile, coast, replicas=1, load=None, mix=MIXED, requests=250):
     work = Workload(Lengths(256, 64, 32, 1024), Lengths(96, 32, 16, 256), True, mix, None, 0)
     sim = Simulator(config, profile, replicas, "tier_aware", seed=0, token_times=10**9, coast=coast)
-    stage = sim.run_stage(work, load or Profile("rate", rate=300.0), Limits(requests), progress=False)
+    stage = sim.run_stage(work, load or LoadPattern("rate", rate=300.0), Limits(requests), progress=False)
     return sim, stage
 
 
@@ -56,8 +56,8 @@ SCENARIOS = {
         config=dict(fast=0.0018), kv_tokens=6000, replicas=2, mix={"fast": 0.3, "standard": 0.4, "batch": 0.3}, coasted=0.6),
     "lanes, batch windows falling due": dict(config=dict(standard=0.0019, batch_window=1.0),
                                             mix={"fast": 0.1, "standard": 0.3, "batch": 0.6}, coasted=0.6),
-    "fcfs, KV pressure": dict(config=dict(policy="fcfs"), kv_tokens=5000, load=Profile("rate", rate=500.0), coasted=0.6),
-    "lanes, closed loop of 48 users": dict(config=dict(fast=0.002), load=Profile("users", concurrency=48), coasted=0.6),
+    "fcfs, KV pressure": dict(config=dict(policy="fcfs"), kv_tokens=5000, load=LoadPattern("rate", rate=500.0), coasted=0.6),
+    "lanes, closed loop of 48 users": dict(config=dict(fast=0.002), load=LoadPattern("users", concurrency=48), coasted=0.6),
 }
 
 

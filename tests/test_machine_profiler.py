@@ -1,7 +1,7 @@
 """`tollway profile` on the real runner: a grid of timed steps that the simulator can run on."""
 from __future__ import annotations
 
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.workload import Lengths, Workload
 from tollway.model.machine_profiler import Grid, grid_plans, measure
 from tollway.scheduler.step_model import StepShape
@@ -36,7 +36,7 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     profile.save(tmp_path / "p.json")
     loaded = MachineProfile.load(tmp_path / "p.json")
     assert loaded == profile
-    workload, load = Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}), Profile("concurrency 4", concurrency=4)
+    workload, load = Workload(Lengths(24), Lengths(6), True, {"standard": 1.0}), LoadPattern("concurrency 4", concurrency=4)
     result = simulate(engine.scheduler.config, loaded, workload, [load], Limits(max_requests=8), progress=False)
     assert result["stages"][0]["summary"]["all"]["completed"] == 8
     # The engine's side of the fidelity check records the same workload the same way, steps too.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.stats import SLO
 from tollway.bench.workload import Lengths, Workload
 from tollway.cli import main
@@ -43,7 +43,7 @@ def config(**overrides) -> SchedulerConfig:
 
 def run(profile=None, replicas=1, load=None, requests=300, routing="least_outstanding", **options) -> dict:
     return simulate(config(), profile or linear_profile(), options.pop("work", workload()),
-                    [load or Profile("rate 20/s", rate=20.0)], Limits(max_requests=requests), replicas, routing,
+                    [load or LoadPattern("rate 20/s", rate=20.0)], Limits(max_requests=requests), replicas, routing,
                     progress=False, **options)
 
 
@@ -58,7 +58,7 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_does_not():
 
 
 def test_more_replicas_never_lower_throughput_on_a_saturating_load():
-    saturating = Profile("rate 200/s", rate=200.0)  # far past one replica's few tens of requests/s
+    saturating = LoadPattern("rate 200/s", rate=200.0)  # far past one replica's few tens of requests/s
     throughput = [run(replicas=n, load=saturating, requests=400)["stages"][0]["summary"]["all"]["output_tok_s"]
                   for n in (1, 2, 4)]
     assert throughput[0] <= throughput[1] <= throughput[2]
@@ -67,7 +67,7 @@ def test_more_replicas_never_lower_throughput_on_a_saturating_load():
 
 @pytest.mark.parametrize("routing", ["round_robin", "least_outstanding", "tier_aware"])
 def test_every_routing_spreads_work_over_the_replicas(routing):
-    result = run(replicas=3, routing=routing, requests=200, load=Profile("rate 60/s", rate=60.0))
+    result = run(replicas=3, routing=routing, requests=200, load=LoadPattern("rate 60/s", rate=60.0))
     assert result["stages"][0]["summary"]["all"]["completed"] == 200
     assert result["simulation"]["routing"] == routing
 
@@ -75,7 +75,7 @@ def test_every_routing_spreads_work_over_the_replicas(routing):
 def test_the_simulated_lanes_make_fast_faster_and_fcfs_does_not():
     """The real scheduler's policy is what the simulator runs: lanes shape steps for fast, fcfs not."""
     profile = linear_profile(per_row=0.01)  # 48 decodes take ~0.5 s, four times fast's 120 ms target
-    busy = Profile("concurrency 48", concurrency=48)
+    busy = LoadPattern("concurrency 48", concurrency=48)
 
     def fast_over_standard(policy):
         tiers = simulate(config(policy=policy), profile, workload(), [busy], Limits(max_requests=400),
@@ -142,7 +142,7 @@ def test_the_planners_choice_meets_the_slos_when_simulated_again():
     assert chosen.meets and chosen.usd_per_hour == 2.0 * chosen.replicas
     cfg = candidate_config(config(), slo, chosen.max_num_seqs, chosen.fast_reserved_seq_share)
     assert cfg.tiers["fast"].tpot_target == 0.06 and cfg.tiers["standard"].tpot_target == 0.2
-    again = simulate(cfg, linear_profile(), workload(seed=9), [Profile("rate 30/s", rate=30.0)],
+    again = simulate(cfg, linear_profile(), workload(seed=9), [LoadPattern("rate 30/s", rate=30.0)],
                      Limits(max_requests=300), chosen.replicas, "tier_aware", slo, progress=False)
     for tier, m in again["stages"][0]["summary"]["tiers"].items():
         assert m["goodput_share"] >= 0.9, tier  # a different seed: near the 95% it was chosen at

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_sim import config, linear_profile, workload  # noqa: E402
 
-from tollway.bench.load import Limits, Profile  # noqa: E402
+from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "sim_golden.json"
@@ -26,7 +26,7 @@ _KEPT = ("index", "tier", "prompt_tokens", "max_tokens", "sent", "first_token", 
 
 def digest(policy: str, replicas: int, rate: float) -> str:
     """Every request's record and every stage's step series, hashed: floats as repr writes them."""
-    result = simulate(config(policy=policy, num_blocks=256), linear_profile(), workload(), [Profile(f"rate {rate}/s", rate=rate)],
+    result = simulate(config(policy=policy, num_blocks=256), linear_profile(), workload(), [LoadPattern(f"rate {rate}/s", rate=rate)],
                       Limits(max_requests=240), replicas, "tier_aware", progress=False)
     stage = result["stages"][0]
     kept = {"requests": [{k: r[k] for k in _KEPT} for r in stage["requests"]], "steps": stage["steps"],

@@ -84,17 +84,17 @@ def workload_from_args(args):
 
 def bench_config(args, url: str):
     from tollway.bench.load import Limits
-    from tollway.bench.run import BenchConfig, profile_from_args
+    from tollway.bench.run import BenchConfig, pattern_from_args
     from tollway.bench.stats import SLO
 
     if args.usd_per_hour is not None and args.usd_per_hour < 0:
         raise ValueError("--usd-per-hour must be >= 0")
     workload = workload_from_args(args)
-    profiles = [] if args.sweep is not None else [profile_from_args(args.concurrency, args.rate, args.burstiness)]
+    patterns = [] if args.sweep is not None else [pattern_from_args(args.concurrency, args.rate, args.burstiness)]
     if args.sweep is not None and (args.concurrency is not None or args.rate is not None):
         raise ValueError("give one of --concurrency, --rate or --sweep")
     config = BenchConfig(url, args.model, workload, Limits(args.max_requests, args.max_duration, args.warmup),
-                         profiles, args.sweep, args.sweep_max_concurrency, SLO.parse(args.slo), args.usd_per_hour,
+                         patterns, args.sweep, args.sweep_max_concurrency, SLO.parse(args.slo), args.usd_per_hour,
                          args.api_key, args.endpoint, args.label, args.timeout)
     config.check()
     return config
@@ -142,8 +142,8 @@ def compare_main(args) -> int:
 
     tokenizer = load_tokenizer(args)
     base = bench_config(args, args.url[0])
-    if len(base.profiles) != 1:
-        raise ValueError("compare runs one load profile: give --concurrency or --rate")
+    if len(base.patterns) != 1:
+        raise ValueError("compare runs one load pattern: give --concurrency or --rate")
     runs = sides(base, args.url, [t.strip() for t in args.tiers.split(",") if t.strip()])
     results = []
     for i, side in enumerate(runs):

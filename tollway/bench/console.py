@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.stats import SLO, summarize
 
 
@@ -35,10 +35,10 @@ class LiveView:
             self._live.__exit__(*exc)
 
     @contextlib.contextmanager
-    def stage(self, profile: Profile):
+    def stage(self, pattern: LoadPattern):
         """Yields the callback for each finished request of the stage."""
         total = self.limits.max_requests
-        task = self.progress.add_task(profile.name, total=total, note="")
+        task = self.progress.add_task(pattern.name, total=total, note="")
         self._records = []
 
         def on_record(record) -> None:

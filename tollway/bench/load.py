@@ -1,4 +1,4 @@
-"""Load profiles and the loop that drives them: a fixed concurrency (closed loop), a request
+"""Load patterns and the loop that drives them: a fixed concurrency (closed loop), a request
 rate (open loop, Poisson or gamma with burstiness), and a sweep from one request at a time to
 saturation with rates in between, as GuideLLM sweeps."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tollway.bench.workload import Requests
 
 
 @dataclass
-class Profile:
+class LoadPattern:
     """One stage of load: `concurrency` requests in flight, or `rate` new ones per second."""
 
     name: str
@@ -41,16 +41,16 @@ class Limits:
 
 @dataclass
 class Stage:
-    profile: Profile
+    pattern: LoadPattern
     start: float
     end: float
     records: list[RequestRecord]
     steps: list[dict]  # the server's step size over time, where it exposes /metrics
 
 
-async def run_stage(client: OpenAIClient, requests: Requests, profile: Profile, limits: Limits, clock,
+async def run_stage(client: OpenAIClient, requests: Requests, pattern: LoadPattern, limits: Limits, clock,
                     scraper: StepScraper | None = None, on_record=None) -> Stage:
-    """Send requests under `profile` until a limit is reached, then wait for those in flight."""
+    """Send requests under `pattern` until a limit is reached, then wait for those in flight."""
     start = clock()
     records: list[RequestRecord] = []
     measured = 0
@@ -66,25 +66,25 @@ async def run_stage(client: OpenAIClient, requests: Requests, profile: Profile, 
         nonlocal measured
         warmup = clock() - start < limits.warmup
         measured += not warmup
-        task = asyncio.create_task(client.send(requests.next(), profile.name, warmup, clock))
+        task = asyncio.create_task(client.send(requests.next(), pattern.name, warmup, clock))
         task.add_done_callback(lambda t: (records.append(t.result()), on_record and on_record(t.result())))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         return task
 
-    if profile.concurrency is not None:
+    if pattern.concurrency is not None:
         async def worker():
             while more():
                 await launch()
 
-        await asyncio.gather(*(worker() for _ in range(profile.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(pattern.concurrency)))
     else:
         rng = random.Random(requests.workload.seed + 1)
-        shape = profile.burstiness
+        shape = pattern.burstiness
         due = clock()
         while more():
             launch()
-            due += rng.gammavariate(shape, 1.0 / (profile.rate * shape))
+            due += rng.gammavariate(shape, 1.0 / (pattern.rate * shape))
             wait = due - clock()
             if limits.max_duration is not None:
                 wait = min(wait, start + limits.max_duration - clock())
@@ -96,7 +96,7 @@ async def run_stage(client: OpenAIClient, requests: Requests, profile: Profile, 
     steps = []
     if scraping:
         steps = await scraper.finish(scraping, clock)
-    return Stage(profile, start, end, sorted(records, key=lambda r: r.index), steps)
+    return Stage(pattern, start, end, sorted(records, key=lambda r: r.index), steps)
 
 
 def sweep_rates(synchronous_rps: float, saturated_rps: float, between: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""`tollway bench`: one workload against one OpenAI-compatible server, under a load profile
+"""`tollway bench`: one workload against one OpenAI-compatible server, under a load pattern
 (or a sweep of them), measured per tier and written as JSON (every request's timings) and a
 self-contained HTML report."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tollway.bench.client import OpenAIClient, now_clock
 from tollway.bench.console import LiveView
-from tollway.bench.load import Limits, Profile, Stage, run_stage, sweep_rates
+from tollway.bench.load import Limits, LoadPattern, Stage, run_stage, sweep_rates
 from tollway.bench.server_metrics import StepScraper
 from tollway.bench.stats import SLO, summarize
 from tollway.bench.workload import Requests, Workload
@@ -25,7 +25,7 @@ class BenchConfig:
     model: str
     workload: Workload
     limits: Limits
-    profiles: list[Profile] = field(default_factory=list)  # fixed stages; empty with sweep
+    patterns: list[LoadPattern] = field(default_factory=list)  # fixed stages; empty with sweep
     sweep: int | None = None  # stages in a sweep (>= 2): synchronous, rates between, saturated
     sweep_concurrency: int = 64  # the saturated end of a sweep
     slo: SLO = field(default_factory=lambda: SLO({}))
@@ -39,20 +39,20 @@ class BenchConfig:
         self.limits.check()
         if self.sweep is not None and self.sweep < 2:
             raise ValueError(f"--sweep needs at least 2 stages, got {self.sweep}")
-        if self.sweep is None and not self.profiles:
+        if self.sweep is None and not self.patterns:
             raise ValueError("give one of --concurrency, --rate or --sweep")
 
 
-def profile_from_args(concurrency: int | None, rate: float | None, burstiness: float) -> Profile:
+def pattern_from_args(concurrency: int | None, rate: float | None, burstiness: float) -> LoadPattern:
     if (concurrency is None) == (rate is None):
         raise ValueError("give one of --concurrency, --rate or --sweep")
     if concurrency is not None:
         if concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-        return Profile(f"concurrency {concurrency}", concurrency=concurrency)
+        return LoadPattern(f"concurrency {concurrency}", concurrency=concurrency)
     if not rate > 0 or not burstiness > 0:
         raise ValueError("--rate and --burstiness must be > 0")
-    return Profile(f"rate {rate:g}/s", rate=rate, burstiness=burstiness)
+    return LoadPattern(f"rate {rate:g}/s", rate=rate, burstiness=burstiness)
 
 
 def run_bench(config: BenchConfig, tokenizer=None, show: bool = True) -> dict:
@@ -70,28 +70,28 @@ async def _run(config: BenchConfig, requests: Requests, show: bool) -> dict:
     stages: list[Stage] = []
     view = LiveView(config.limits, config.slo, show)
 
-    async def stage(profile: Profile) -> Stage:
-        with view.stage(profile) as on_record:
-            done = await run_stage(client, requests, profile, config.limits, clock, scraper, on_record)
+    async def stage(pattern: LoadPattern) -> Stage:
+        with view.stage(pattern) as on_record:
+            done = await run_stage(client, requests, pattern, config.limits, clock, scraper, on_record)
         stages.append(done)
         return done
 
     try:
         with view:
             if config.sweep is None:
-                for profile in config.profiles:
-                    await stage(profile)
+                for pattern in config.patterns:
+                    await stage(pattern)
             else:
-                slowest = await stage(Profile("synchronous", concurrency=1))
-                fastest = await stage(Profile(f"saturated ({config.sweep_concurrency})",
+                slowest = await stage(LoadPattern("synchronous", concurrency=1))
+                fastest = await stage(LoadPattern(f"saturated ({config.sweep_concurrency})",
                                               concurrency=config.sweep_concurrency))
                 ends = [summarize(s.records, config.slo, None)["all"]["requests_per_s"] or 0.0
                         for s in (slowest, fastest)]
                 for rate in sweep_rates(ends[0], ends[1], config.sweep - 2):
-                    await stage(Profile(f"rate {rate:.3g}/s", rate=rate))
+                    await stage(LoadPattern(f"rate {rate:.3g}/s", rate=rate))
     finally:
         await client.close()
-    stages.sort(key=lambda s: (s.profile.concurrency != 1, s.profile.concurrency or 0, s.profile.rate or 0))
+    stages.sort(key=lambda s: (s.pattern.concurrency != 1, s.pattern.concurrency or 0, s.pattern.rate or 0))
     return {
         "format": FORMAT, "label": config.label or config.url, "url": config.url, "model": config.model,
         "endpoint": config.endpoint, "date": started.isoformat(timespec="seconds"),
@@ -102,7 +102,7 @@ async def _run(config: BenchConfig, requests: Requests, show: bool) -> dict:
 
 
 def stage_dict(s: Stage, slo: SLO, usd_per_hour: float | None) -> dict:
-    return {"profile": s.profile.to_dict(), "start": s.start, "end": s.end,
+    return {"profile": s.pattern.to_dict(), "start": s.start, "end": s.end,
             "summary": summarize(s.records, slo, usd_per_hour), "steps": s.steps,
             "requests": [r.to_dict() for r in s.records]}
 

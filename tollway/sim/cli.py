@@ -23,7 +23,7 @@ def add_parsers(sub, add_engine_arguments) -> None:
     _add_machine_arguments(simulate)
     simulate.add_argument("--replicas", type=int, default=1)
     simulate.add_argument("--routing", default="least_outstanding", help="round_robin, least_outstanding, tier_aware")
-    simulate.add_argument("--trace", help="JSONL of {arrival, tier, prompt_tokens, output_tokens}, instead of a load profile")
+    simulate.add_argument("--trace", help="JSONL of {arrival, tier, prompt_tokens, output_tokens}, instead of a load pattern")
     bench_cli.add_load_arguments(simulate, sweep=False)
     bench_cli.add_workload_arguments(simulate, prompts_from_text=False)
     bench_cli.add_result_arguments(simulate, "the fleet's price (default: the profile's, per replica)")
@@ -111,7 +111,7 @@ def profile_main(args) -> int:
 def simulate_main(args) -> int:
     from tollway.bench.load import Limits
     from tollway.bench.report import write_report
-    from tollway.bench.run import profile_from_args, write_result
+    from tollway.bench.run import pattern_from_args, write_result
     from tollway.bench.stats import SLO
     from tollway.sim.simulator import read_trace, simulate
 
@@ -120,16 +120,16 @@ def simulate_main(args) -> int:
     trace = read_trace(args.trace) if args.trace else None
     if trace is not None:
         if args.concurrency is not None or args.rate is not None:
-            raise ValueError("give a --trace or a load profile (--concurrency, --rate), not both")
-        from tollway.bench.load import Profile
+            raise ValueError("give a --trace or a load pattern (--concurrency, --rate), not both")
+        from tollway.bench.load import LoadPattern
 
-        profiles = [Profile(f"trace {Path(args.trace).name}")]
+        patterns = [LoadPattern(f"trace {Path(args.trace).name}")]
         limits = Limits(args.max_requests or len(trace), args.max_duration, args.warmup)
     else:
-        profiles = [profile_from_args(args.concurrency, args.rate, args.burstiness)]
+        patterns = [pattern_from_args(args.concurrency, args.rate, args.burstiness)]
         limits = Limits(args.max_requests, args.max_duration, args.warmup)
     limits.check()
-    result = simulate(_scheduler_config(args), machine, workload, profiles, limits, args.replicas, args.routing,
+    result = simulate(_scheduler_config(args), machine, workload, patterns, limits, args.replicas, args.routing,
                       SLO.parse(args.slo), args.usd_per_hour, trace, progress=not args.quiet)
     if args.label:
         result["label"] = args.label

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from tollway.bench.client import RequestRecord
-from tollway.bench.load import Limits, Profile, Stage
+from tollway.bench.load import Limits, LoadPattern, Stage
 from tollway.bench.workload import Workload
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import StepPlan, StepResult
@@ -24,7 +24,7 @@ from tollway.sim.step_series import step_series
 _TOKEN_IDS = (1000, 200_000)
 
 
-def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, progress: bool = True,
+def run_on_engine(engine, workload: Workload, pattern: LoadPattern, limits: Limits, progress: bool = True,
                   on_step: Callable[[StepPlan, StepResult], None] | None = None) -> Stage:
     """`on_step(plan, result)` after every step that ran something."""
     limits.check()
@@ -46,7 +46,7 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
         tier, prompt_tokens, max_tokens = workload.draw(draws)
         warmup = at < limits.warmup
         measured += not warmup
-        record = RequestRecord(len(records) + 1, profile.name, tier, warmup, prompt_tokens, max_tokens, at)
+        record = RequestRecord(len(records) + 1, pattern.name, tier, warmup, prompt_tokens, max_tokens, at)
         rid = f"engine-{record.index}"
         records[rid] = record
         prompt = [ids.randrange(_TOKEN_IDS[0], vocab) for _ in range(prompt_tokens)]
@@ -56,19 +56,19 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
         except QueueFullError as e:
             record.error, record.error_message, record.end = "http_429", str(e), clock()
 
-    closed = profile.concurrency is not None
+    closed = pattern.concurrency is not None
     due = 0.0
     if closed:
-        for _ in range(profile.concurrency):
+        for _ in range(pattern.concurrency):
             send(0.0)
-    with tqdm(total=limits.max_requests, desc=f"engine {profile.name}", unit="req", disable=not progress,
+    with tqdm(total=limits.max_requests, desc=f"engine {pattern.name}", unit="req", disable=not progress,
               leave=False) as bar:
         while True:
             now = clock()
             if not closed:
                 while more(now) and due <= now:
                     send(due)  # its clock starts when it was due, mid-step if so, as a client's would
-                    due += gaps.gammavariate(profile.burstiness, 1.0 / (profile.rate * profile.burstiness))
+                    due += gaps.gammavariate(pattern.burstiness, 1.0 / (pattern.rate * pattern.burstiness))
             if not engine.has_unfinished():
                 if closed or not more(now):
                     break
@@ -92,4 +92,4 @@ def run_on_engine(engine, workload: Workload, profile: Profile, limits: Limits, 
                     if closed and more(now):
                         send(now)
     end = clock()
-    return Stage(profile, 0.0, end, sorted(records.values(), key=lambda r: r.index), step_series(steps, 0.0, end))
+    return Stage(pattern, 0.0, end, sorted(records.values(), key=lambda r: r.index), step_series(steps, 0.0, end))

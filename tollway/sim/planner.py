@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from tollway.bench.load import Limits, Profile
+from tollway.bench.load import Limits, LoadPattern
 from tollway.bench.stats import SLO
 from tollway.bench.workload import Workload
 from tollway.config import SchedulerConfig
@@ -55,22 +55,22 @@ def candidate_config(config: SchedulerConfig, slo: SLO, max_num_seqs: int, reser
     return cfg
 
 
-def evaluate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, qps: float, requests: int,
+def evaluate(config: SchedulerConfig, machine: MachineProfile, workload: Workload, qps: float, requests: int,
              slo: SLO, attainment: float, replicas: int, max_num_seqs: int, reserve: float,
              routing: str = "tier_aware") -> Candidate:
-    if profile.usd_per_hour is None:
+    if machine.usd_per_hour is None:
         raise ValueError("the profile has no price: give --usd-per-hour")
     cfg = candidate_config(config, slo, max_num_seqs, reserve)
-    result = simulate(cfg, profile, workload, [Profile(f"rate {qps:g}/s", rate=qps)], Limits(max_requests=requests),
+    result = simulate(cfg, machine, workload, [LoadPattern(f"rate {qps:g}/s", rate=qps)], Limits(max_requests=requests),
                       replicas, routing, slo, progress=False, token_times=0)
     summary = result["stages"][0]["summary"]
     shares = {t: m["goodput_share"] or 0.0 for t, m in summary["tiers"].items()}
     costs = {t: m["cost_per_m_output"] for t, m in summary["tiers"].items()} | {"all": summary["all"]["cost_per_m_output"]}
     meets = bool(shares) and all(s >= attainment for s in shares.values())
-    return Candidate(replicas, max_num_seqs, reserve, profile.usd_per_hour * replicas, meets, shares, costs, result)
+    return Candidate(replicas, max_num_seqs, reserve, machine.usd_per_hour * replicas, meets, shares, costs, result)
 
 
-def plan(config: SchedulerConfig, profile: MachineProfile, workload: Workload, qps: float, slo: SLO,
+def plan(config: SchedulerConfig, machine: MachineProfile, workload: Workload, qps: float, slo: SLO,
          attainment: float = 0.99, requests: int = 2000, max_replicas: int = 64,
          batch_caps: tuple[int, ...] = (64, 128, 256), reserves: tuple[float, ...] = (0.05, 0.125, 0.25),
          progress: bool = True) -> list[Candidate]:
@@ -84,7 +84,7 @@ def plan(config: SchedulerConfig, profile: MachineProfile, workload: Workload, q
     with tqdm(total=len(combos), desc="planning", unit="config", disable=not progress) as bar:
         for cap, reserve in combos:
             def at(n: int) -> Candidate:
-                return evaluate(config, profile, workload, qps, requests, slo, attainment, n, cap, reserve)
+                return evaluate(config, machine, workload, qps, requests, slo, attainment, n, cap, reserve)
 
             # Grow the fleet by doubling until it meets the SLOs, then bisect down to the fewest.
             lo, hi, found = 0, 1, at(1)

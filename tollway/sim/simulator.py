@@ -29,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tollway.bench.client import RequestRecord
-from tollway.bench.load import Limits, Profile, Stage
+from tollway.bench.load import Limits, LoadPattern, Stage
 from tollway.bench.run import FORMAT, stage_dict
 from tollway.bench.stats import SLO
 from tollway.bench.workload import Workload, read_jsonl
@@ -82,7 +82,7 @@ def read_trace(path: str | Path) -> list[TraceRow]:
 
 @dataclass
 class _Stage:
-    profile: Profile
+    pattern: LoadPattern
     limits: Limits
     start: float
     measured: int = 0
@@ -90,7 +90,7 @@ class _Stage:
 
 
 class Simulator:
-    def __init__(self, config: SchedulerConfig, profile: MachineProfile, replicas: int = 1,
+    def __init__(self, config: SchedulerConfig, machine: MachineProfile, replicas: int = 1,
                  routing: str = "least_outstanding", seed: int = 0, token_times: int = TOKEN_TIMES,
                  coast: bool = True):
         """`token_times`: how many requests (the first ones) keep every token's time, from which
@@ -100,25 +100,25 @@ class Simulator:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
-        config.int8_max_tokens, config.dense_kernel = profile.int8_max_tokens, profile.dense_kernel
+        config.int8_max_tokens, config.dense_kernel = machine.int8_max_tokens, machine.dense_kernel
         config.speculative_tokens = 0  # stand-in tokens never repeat: no draft would be found
         # Every prompt starts with its own token: no prefix ever hits, and hashing every block of
         # every prompt for the cache was a third of a large simulation's time.
         config.enable_prefix_caching = False
-        if profile.kv_tokens is not None:
-            config.num_blocks = max(1, profile.kv_tokens // config.block_size)
+        if machine.kv_tokens is not None:
+            config.num_blocks = max(1, machine.kv_tokens // config.block_size)
         config.validate()
-        self.config, self.profile = config, profile
+        self.config, self.machine = config, machine
         self.now = 0.0
-        self.truth = profile.step_model(adaptive=False)
+        self.truth = machine.step_model(adaptive=False)
         clock = lambda: self.now  # noqa: E731
         self.replicas = [Replica(i) for i in range(replicas)]
         for replica in self.replicas:
             if coast and POLICY_TYPES[config.policy].coasts:
                 coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica))
-                replica.scheduler = CoastingScheduler(copy.deepcopy(config), coasting, profile.step_model(), clock)
+                replica.scheduler = CoastingScheduler(copy.deepcopy(config), coasting, machine.step_model(), clock)
             else:
-                replica.scheduler = Scheduler(copy.deepcopy(config), profile.step_model(), clock)
+                replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock)
         self.route = make_router(routing)
         self.rng = random.Random(seed)
         self.token_times = token_times
@@ -132,11 +132,11 @@ class Simulator:
 
     # ---- a stage ---------------------------------------------------------------------------
 
-    def run_stage(self, workload: Workload, profile: Profile, limits: Limits, trace: list[TraceRow] | None = None,
+    def run_stage(self, workload: Workload, pattern: LoadPattern, limits: Limits, trace: list[TraceRow] | None = None,
                   progress: bool = True) -> Stage:
         """One stage of load, as `tollway bench` runs it, until every request it sent is done."""
         limits.check()
-        stage = _Stage(profile, limits, self.now)
+        stage = _Stage(pattern, limits, self.now)
         draws = random.Random(workload.seed)
         if trace is not None:
             shapes = iter((r.tier, r.prompt_tokens, r.output_tokens) for r in trace)
@@ -146,11 +146,11 @@ class Simulator:
             shapes = iter(lambda: workload.draw(draws), None)
         self._shapes = shapes
         step_log_start = len(self.steps)
-        with tqdm(total=limits.max_requests, desc=f"simulating {profile.name}", unit="req", disable=not progress,
+        with tqdm(total=limits.max_requests, desc=f"simulating {pattern.name}", unit="req", disable=not progress,
                   leave=False) as bar:
             self._bar = bar
-            if trace is None and profile.concurrency is not None:
-                for _ in range(profile.concurrency):
+            if trace is None and pattern.concurrency is not None:
+                for _ in range(pattern.concurrency):
                     self._push(self.now, _ARRIVAL, stage)
             elif trace is None:
                 self._arrivals = random.Random(workload.seed + 1)
@@ -165,7 +165,7 @@ class Simulator:
                     self._finish_step(data)
         end = max([self.now, *(r.end for r in stage.records if r.end is not None)])
         steps = step_series(self.steps[step_log_start:], stage.start, end)
-        return Stage(profile, stage.start, end, sorted(stage.records, key=lambda r: r.index), steps)
+        return Stage(pattern, stage.start, end, sorted(stage.records, key=lambda r: r.index), steps)
 
     def _more(self, stage: _Stage) -> bool:
         limits = stage.limits
@@ -186,13 +186,13 @@ class Simulator:
         tier, prompt_tokens, max_tokens = shape
         warmup = self.now - stage.start < stage.limits.warmup
         stage.measured += not warmup
-        if not self._trace and stage.profile.rate is not None:
-            shape_k = stage.profile.burstiness
-            self._push(self.now + self._arrivals.gammavariate(shape_k, 1.0 / (stage.profile.rate * shape_k)),
+        if not self._trace and stage.pattern.rate is not None:
+            shape_k = stage.pattern.burstiness
+            self._push(self.now + self._arrivals.gammavariate(shape_k, 1.0 / (stage.pattern.rate * shape_k)),
                        _ARRIVAL, stage)
         self._ids += 1
         rid = f"sim-{self._ids}"
-        record = RequestRecord(self._ids, stage.profile.name, tier, warmup, prompt_tokens, max_tokens, self.now)
+        record = RequestRecord(self._ids, stage.pattern.name, tier, warmup, prompt_tokens, max_tokens, self.now)
         stage.records.append(record)
         # A first token of its own makes every block's hash its own (no prefix-cache hits), and
         # the rest costs nothing to make.
@@ -221,7 +221,7 @@ class Simulator:
         (after a refusal, a millisecond later: simulated time must move)."""
         if not record.warmup:
             self._bar.update()
-        if stage.profile.concurrency is not None and not self._trace:
+        if stage.pattern.concurrency is not None and not self._trace:
             if record.error:
                 self._push(self.now + 1e-3, _ARRIVAL, stage)
             else:
@@ -245,8 +245,8 @@ class Simulator:
         if not num_seqs:
             replica.in_flight = None
             return
-        runner = self.truth.predict(plan.shape) * (self.rng.choice(self.profile.jitter) if self.profile.jitter else 1.0)
-        seconds = runner + self.profile.overhead[0] + self.profile.overhead[1] * num_seqs
+        runner = self.truth.predict(plan.shape) * (self.rng.choice(self.machine.jitter) if self.machine.jitter else 1.0)
+        seconds = runner + self.machine.overhead[0] + self.machine.overhead[1] * num_seqs
         replica.in_flight = (plan, runner)
         replica.busy_seconds += seconds
         self.coasted += num_seqs - len(plan.seqs)
@@ -281,7 +281,7 @@ class Simulator:
                 self._start_step(other)
 
 
-def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workload, profiles: list[Profile], limits: Limits,
+def simulate(config: SchedulerConfig, machine: MachineProfile, workload: Workload, patterns: list[LoadPattern], limits: Limits,
              replicas: int = 1, routing: str = "least_outstanding", slo: SLO | None = None,
              usd_per_hour: float | None = None, trace: list[TraceRow] | None = None, progress: bool = True,
              token_times: int = TOKEN_TIMES, seed: int | None = None) -> dict:
@@ -289,19 +289,19 @@ def simulate(config: SchedulerConfig, profile: MachineProfile, workload: Workloa
     the step times' jitter (default: the workload's seed)."""
     slo = slo or SLO({})
     started = time.perf_counter()
-    sim = Simulator(config, profile, replicas, routing, workload.seed if seed is None else seed, token_times)
-    stages = [sim.run_stage(workload, p, limits, trace, progress) for p in profiles]
+    sim = Simulator(config, machine, replicas, routing, workload.seed if seed is None else seed, token_times)
+    stages = [sim.run_stage(workload, p, limits, trace, progress) for p in patterns]
     fleet_price = usd_per_hour if usd_per_hour is not None else (
-        profile.usd_per_hour * replicas if profile.usd_per_hour is not None else None)
-    label = f"simulated: {replicas} x {profile.hardware}" + (" (estimate)" if profile.estimate else "")
+        machine.usd_per_hour * replicas if machine.usd_per_hour is not None else None)
+    label = f"simulated: {replicas} x {machine.hardware}" + (" (estimate)" if machine.estimate else "")
     busy = sum(r.busy_seconds for r in sim.replicas)
     return {
-        "format": FORMAT, "label": label, "url": "simulated", "model": profile.model, "endpoint": "simulated",
+        "format": FORMAT, "label": label, "url": "simulated", "model": machine.model, "endpoint": "simulated",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "workload": workload.to_dict(), "limits": asdict(limits), "slo": slo.limits, "usd_per_hour": fleet_price,
         "steps_exposed": True,
         "stages": [stage_dict(s, slo, fleet_price) for s in stages],
-        "simulation": {"hardware": profile.hardware, "estimate": profile.estimate, "replicas": replicas,
+        "simulation": {"hardware": machine.hardware, "estimate": machine.estimate, "replicas": replicas,
                        "routing": routing, "policy": config.policy, "max_num_seqs": config.max_num_seqs,
                        "fast_reserved_seq_share": config.tiers["fast"].reserved_seq_share,
                        "steps": len(sim.steps), "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
