@@ -164,6 +164,33 @@ def test_attention_split_over_threads_equals_one_thread(native, window, dtype):
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (8, 1)])
+def test_a_lone_decode_shared_by_threads_equals_one_thread(native, heads, kv_heads):
+    """One token, fewer than the threads: they share its query vectors in narrower tiles."""
+    g = torch.Generator().manual_seed(5)
+    d, bs, context = 32, 4, 2000
+    table = tuple(torch.randperm(600, generator=g)[:context // bs + 1].tolist())
+    seq = ScheduledSeq("a", "standard", (1,), context, table, True, SamplingParams(temperature=0))
+    cache = KVCache(600 * bs, kv_heads, d, torch.float16, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    qk, v = torch.randn(1, heads + kv_heads, d, generator=g), torch.randn(1, kv_heads, d, generator=g)
+    meta = step_metadata([seq], [context], [table[context // bs] * bs + context % bs], bs, None, torch.device("cpu"),
+                         False)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            results.append(native.attention(qk, v, heads, cache, meta, "full", 0, 0.25, None))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    want = TorchRowOps().attention(qk, v, heads, cache, step_metadata([seq], [context], meta.slot_mapping.tolist(), bs,
+                                                                         None, torch.device("cpu"), True),
+                                   "full", 0, 0.25, None)
+    torch.testing.assert_close(results[0], want, **CLOSE)
+
+
 def test_a_half_cache_rounds_as_torch_does_at_the_edges(native):
     """Keys and values written to a float16 cache round to nearest even as torch's .half():
     past 65504 to inf, tiny values to subnormals or zero, NaN stays NaN."""

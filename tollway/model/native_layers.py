@@ -17,6 +17,7 @@ from tollway.model.layers import AttentionMetadata, KVCache, Linear
 from tollway.model.native.qmatmul import ISAS, Q8Library
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # row_ops.c's gated_act kinds
+KEPT_SCRATCH_TOKENS = 256
 
 _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -55,6 +56,7 @@ class NativeLayers:
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
         self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
+        self._buffer = torch.empty(0)
 
     def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str) -> bool:
         """x through every layer, in place; False (nothing done) where this kernel has a layer
@@ -67,18 +69,34 @@ class NativeLayers:
         described = self._layers[key][0]
         if described is None:
             return False
-        first = layers[0]
-        t, hidden, d = x.shape[0], x.shape[1], first.attn.head_dim
-        qkv_n, width = first.attn.qkv_proj.out_features, first.mlp.width
-        qk_heads = first.attn.heads + first.attn.kv_heads
-        scratch = [torch.empty(t, n) for n in (hidden, qkv_n, qk_heads * d, first.attn.heads * d, hidden, 2 * width,
-                                               width)]
+        t, hidden = x.shape
+        scratch, rows = self._scratch(layers[0], t, hidden)  # alive until the call returns
         step = _Step(t, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
-                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *(s.data_ptr() for s in scratch),
+                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *rows,
                      self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
         if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
             raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
         return True
+
+    def _scratch(self, first, tokens: int, hidden: int) -> tuple[torch.Tensor, list[int]]:
+        """The step's scratch, and the addresses of its rows in _Step's order. Decode-sized steps reuse one
+        buffer, so they do not fault in fresh pages every step (3 MB of them at 64 decodes);
+        a long prefill's buffer is freed with its step, so it does not stay resident."""
+        d, width = first.attn.head_dim, first.mlp.width
+        widths = (hidden, first.attn.qkv_proj.out_features, (first.attn.heads + first.attn.kv_heads) * d,
+                  first.attn.heads * d, hidden, 2 * width, width)
+        need = tokens * sum(widths)
+        if tokens > KEPT_SCRATCH_TOKENS:
+            buffer = torch.empty(need)
+        else:
+            if self._buffer.numel() < need:
+                self._buffer = torch.empty(KEPT_SCRATCH_TOKENS * sum(widths))
+            buffer = self._buffer
+        base, offsets = buffer.data_ptr(), []
+        for w in widths:
+            offsets.append(base)
+            base += tokens * w * buffer.element_size()
+        return buffer, offsets
 
     def _describe(self, layers: list, caches: list[KVCache], kernel: str) -> ctypes.Array | None:
         first = layers[0]
