@@ -770,18 +770,22 @@ typedef struct {
     int32_t *best_col;      /* [ranges][m][TILE] its column, the first one on ties */
 } matmul_job;
 
-/* The running largest output of each lane (column mod TILE) of one row. Branch-free, so it
-   vectorizes; a later column replaces only a strictly larger value, and padding never counts. */
+/* The running largest output of each lane (column mod TILE) of `rows` rows, out [rows][TILE].
+   Branch-free, so it vectorizes; a later column replaces only a strictly larger value, and
+   padding never counts. One call a tile, not a row: at 64 rows a call per row cost the LM head
+   a million calls a step. */
 #if defined(__x86_64__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-static void keep_largest(const float *restrict out, int64_t cols, int64_t col0, float *restrict best,
+static void keep_largest(const float *restrict out, int rows, int64_t cols, int64_t col0, float *restrict best,
                          int32_t *restrict best_col) {
-    for (int c = 0; c < TILE; c++) {
-        float v = c < cols ? out[c] : -INFINITY;
-        int take = v > best[c];
-        best[c] = take ? v : best[c];
-        best_col[c] = take ? (int32_t)(col0 + c) : best_col[c];
+    for (int r = 0; r < rows; r++, out += TILE, best += TILE, best_col += TILE) {
+        for (int c = 0; c < TILE; c++) {
+            float v = c < cols ? out[c] : -INFINITY;
+            int take = v > best[c];
+            best[c] = take ? v : best[c];
+            best_col[c] = take ? (int32_t)(col0 + c) : best_col[c];
+        }
     }
 }
 
@@ -814,12 +818,14 @@ static void matmul_part(void *ctx, int part, int parts) {
                 }
                 j->kernel(tile, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows, out, ahead,
                           step);
-                for (int r = 0; r < rows; r++) {
-                    if (j->y)
+                if (!j->y)
+                    keep_largest(out, rows, cols, t * TILE, best + r0 * TILE, best_col + r0 * TILE);
+                else if (cols == TILE)  /* a copy of constant size, which the compiler inlines */
+                    for (int r = 0; r < rows; r++)
+                        memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, TILE * sizeof(float));
+                else
+                    for (int r = 0; r < rows; r++)
                         memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, (size_t)cols * sizeof(float));
-                    else
-                        keep_largest(out + r * TILE, cols, t * TILE, best + (r0 + r) * TILE, best_col + (r0 + r) * TILE);
-                }
             }
         }
     }
