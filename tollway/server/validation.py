@@ -128,7 +128,7 @@ def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tok
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
         try:
-            text = tokenizer.apply_chat_template(messages)
+            text = tokenizer.apply_chat_template(messages, template_kwargs=req.chat_template_kwargs)
         except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return [tokenizer.encode(text, add_special_tokens=False)]

@@ -46,9 +46,10 @@ class Tokenizer:
         self._special_token_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
         """From a folder with tokenizer.json, and optionally tokenizer_config.json,
-        generation_config.json and chat_template.jinja (an HF folder or a converted-weights cache)."""
+        generation_config.json and chat_template.jinja (an HF folder or a converted-weights cache).
+        `chat_template` (Jinja text) replaces the model's own."""
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
@@ -65,7 +66,7 @@ class Tokenizer:
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             eos_token_ids=[eos] if isinstance(eos, int) else eos or (),
-            chat_template=template,
+            chat_template=chat_template or template,
         )
 
     @property
@@ -80,15 +81,18 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for an OpenAI-style message list, in the model's own chat format."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for an OpenAI-style message list, in the model's own chat format.
+        `template_kwargs`: further variables for the template (a request's chat_template_kwargs)."""
         if self._template is not None:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token or "",
-                eos_token=self._eos_token or "",
-            )
+            return self._template.render({
+                **(template_kwargs or {}),  # below, so that they cannot replace the messages
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self._bos_token or "",
+                "eos_token": self._eos_token or "",
+            })
         if self._gemma_turns:
             return _gemma_prompt(messages, add_generation_prompt, self._bos_token or "")
         raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
