@@ -1,15 +1,20 @@
 """The OpenAI request bodies tollway accepts (completions and chat), with vLLM's extensions
-(top_k, min_tokens, ignore_eos). Unknown fields are ignored, as OpenAI does; values out of
-range are refused with the offending field named.
+(top_k, min_tokens, ignore_eos). Values out of range are refused with the offending field named.
+
+Nothing the client sends is dropped without a word: every field of OpenAI's create params is
+either honoured or, set to anything but a value that asks for nothing, refused with a 400 naming
+it (NOT_HONOURED). Fields OpenAI does not know either are accepted, as OpenAI's server accepts
+them, and logged once per name.
 
 Every list and string in a body is bounded, as OpenAI's are, so that no request can make the
 server do unbounded work before it is refused (tokenizing megabytes, matching a thousand stop
 strings against every token): each bound breached is a 400 naming its parameter."""
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOP = 4  # stop sequences, as OpenAI
@@ -27,9 +32,48 @@ MAX_NAME_CHARS = 256  # model, user, service_tier
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 Stop = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
+_TOOLS = "tools and function calling are not supported yet"
+# OpenAI fields tollway does not honour: the values that ask for nothing (accepted), and why any
+# other value is refused.
+NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "frequency_penalty": ((None, 0), "frequency_penalty is not supported"),
+    "presence_penalty": ((None, 0), "presence_penalty is not supported"),
+    "best_of": ((None, 1), "best_of is not supported: ask for n choices and pick one"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "parallel_tool_calls": ((None, True), _TOOLS),
+    "response_format": ((None, {"type": "text"}),
+                        "only response_format {\"type\": \"text\"} is supported; structured output comes later"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported: the model does not reason"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "moderation": ((None,), "moderation is not supported"),
+    "prompt_cache_options": ((None,), "prompt_cache_options is not supported: the prefix cache is automatic"),
+    "prompt_cache_retention": ((None, "in_memory"), "the prefix cache is in memory only"),
+}
+
+log = logging.getLogger(__name__)
+_logged_unknown: set[str] = set()  # extra field names already logged: once each per process
+
+
+def refuse_unless_default(value: Any, info: ValidationInfo) -> Any:
+    """A field of NOT_HONOURED: its value if it asks for nothing, else a 400 naming it."""
+    accepted, why = NOT_HONOURED[info.field_name]
+    if value not in accepted:
+        raise ValueError(f"{why} (tollway accepts only {' or '.join(map(repr, accepted))})")
+    return value
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_obfuscation: Literal[False] | None = None  # tollway's chunks carry no obfuscation padding
 
 
 class SamplingFields(BaseModel):
@@ -44,18 +88,35 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Stop | list[Stop] | None = Field(default=None)
     seed: int | None = None
+    # identifiers of the end user and a cache hint: they change nothing in what is generated (the
+    # prefix cache serves any repeated prefix without a key)
     user: Name | None = None
+    safety_identifier: Name | None = None
+    prompt_cache_key: Name | None = None
     service_tier: Name | None = None
     # becomes the request's tags in the ledger ("key=value")
     metadata: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] \
         | None = Field(default=None, max_length=MAX_METADATA)
-    # Accepted for compatibility and bounded; not applied to sampling.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)  # -1 and 0 both disable
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name in body.keys() - cls.model_fields.keys() - _logged_unknown:
+                _logged_unknown.add(name)
+                log.warning("request field %r is not an OpenAI field tollway knows: accepted and ignored", name[:64])
+        return body
+
+    # both bodies' NOT_HONOURED fields, wherever declared
+    _not_honoured = field_validator(*NOT_HONOURED, check_fields=False)(refuse_unless_default)
 
     @field_validator("stop")
     @classmethod
@@ -79,6 +140,8 @@ class CompletionRequest(SamplingFields):
         return prompt
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -87,6 +150,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {str(part.get('type'))[:64]!r} are not supported: "
+                                 "this model reads text only")
+        return content
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -94,6 +166,22 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: bool | None = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
 
     @field_validator("messages")
     @classmethod
