@@ -46,12 +46,19 @@ def test_requests_per_minute_slide(limits_store):
     clock = Clock()
     gate = Gatekeeper([KeySpec("k", rpm=3)], limits_store, clock=clock)
     key = gate.authenticate("Bearer k")
+    remaining = []
     for _ in range(3):
-        gate.admit(key, 10)
+        headers = gate.admit(key, 10)
+        remaining.append(headers["x-ratelimit-remaining-requests"])
         clock.now += 10
+    assert remaining == ["2", "1", "0"] and headers["x-ratelimit-limit-requests"] == "3"
+    assert headers["x-ratelimit-reset-requests"] == "40s"  # at t=120 the first (t=100) ages out in 40 s
+    assert "x-ratelimit-limit-tokens" not in headers  # tokens are not limited
     with pytest.raises(APIError) as e:
         gate.admit(key, 10)
     assert e.value.status == 429 and e.value.headers["Retry-After"] == "30"  # the first ages out at t=160
+    assert e.value.headers["x-ratelimit-remaining-requests"] == "0"
+    assert e.value.headers["x-ratelimit-reset-requests"] == "30s"
     clock.now = 160.0
     gate.admit(key, 10)
 
@@ -60,9 +67,9 @@ def test_tokens_per_minute_count_prompt_and_max_tokens(limits_store):
     clock = Clock()
     gate = Gatekeeper([KeySpec("k", tpm=100)], limits_store, clock=clock)
     key = gate.authenticate("Bearer k")
-    gate.admit(key, 60)
+    assert gate.admit(key, 60)["x-ratelimit-remaining-tokens"] == "40"
     clock.now += 5
-    gate.admit(key, 30)
+    assert gate.admit(key, 30)["x-ratelimit-remaining-tokens"] == "10"
     with pytest.raises(APIError) as e:
         gate.admit(key, 20)  # 110 > 100 until the 60 ages out at t=160
     assert e.value.headers["Retry-After"] == "55"

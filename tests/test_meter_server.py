@@ -123,8 +123,10 @@ def test_budget_alerts_cap_and_reset_end_to_end(metered, receiver):
     assert thresholds == [[], [], [0.5], [0.5, 0.8], [0.5, 0.8, 1.0]]
     with pytest.raises(openai.RateLimitError) as refused:
         ask()
-    assert refused.value.code == "budget_exceeded" and "daily budget of key 'capped'" in refused.value.message
+    assert refused.value.code == "insufficient_quota" and "daily budget of key 'capped'" in refused.value.message
     assert int(refused.value.response.headers["retry-after"]) > 0
+    assert refused.value.response.headers["x-should-retry"] == "false"  # nor did the client retry it
+    assert refused.value.body["type"] == "insufficient_quota"
     _client(metered, "sk-alice").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)  # others go on
     NOW[0] += 86400  # the next day
     ask()

@@ -99,6 +99,19 @@ def test_n_choices_seeds_and_logprobs(client):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top token
 
 
+def test_every_response_has_a_request_id(server, client):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id  # a completion's is its id
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True) as stream:
+        first = next(iter(stream.parse()))
+        assert stream.headers["x-request-id"] == first.id
+    ids = {httpx.get(server["url"] + path).headers["x-request-id"] for path in ("/health", "/health", "/nowhere")}
+    assert len(ids) == 3 and all(i.startswith("req_") for i in ids)  # fresh ones, errors too
+    given = httpx.get(server["url"] + "/v1/models", headers={"x-request-id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42"  # the client's own is echoed
+
+
 def test_models_and_health(server):
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -240,10 +253,17 @@ def test_tiers_a_key_is_not_entitled_to_are_refused_except_auto(keyed_server):
 
 
 def test_rate_limit_is_a_429_with_retry_after(keyed_server):
-    assert [_post(keyed_server, "sk-slow").status_code for _ in range(2)] == [200, 200]
+    admitted = [_post(keyed_server, "sk-slow") for _ in range(2)]
+    assert [r.status_code for r in admitted] == [200, 200]
+    # OpenAI's headers, on every answer to a limited key; rpm only, so no -tokens ones
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in admitted] == ["1", "0"]
+    assert all(r.headers["x-ratelimit-limit-requests"] == "2" for r in admitted)
+    assert admitted[1].headers["x-ratelimit-reset-requests"].endswith("s")
+    assert "x-ratelimit-limit-tokens" not in admitted[1].headers
     r = _post(keyed_server, "sk-slow")
     assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 60
-    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-limit-requests" not in _post(keyed_server, "sk-all").headers  # an unlimited key
     assert _post(keyed_server, "sk-all").status_code == 200  # other keys are unaffected
 
 

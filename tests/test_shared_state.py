@@ -67,7 +67,7 @@ def test_two_servers_on_one_database_share_keys_and_never_pass_a_budget(postgres
             t.start()
         for t in threads:
             t.join(120)
-        assert len(served) == ADMITTED and refused == ["budget_exceeded"] * (WORKERS * EACH - ADMITTED)
+        assert len(served) == ADMITTED and refused == ["insufficient_quota"] * (WORKERS * EACH - ADMITTED)
         assert {which for which, _, _ in served} == {0, 1}  # both servers spent from the one budget
         assert sum(price for _, _, price in served) == pytest.approx(ADMITTED * PRICE)
 

@@ -9,10 +9,14 @@ response, which aborts its engine requests and frees their KV blocks at once.
 """
 from __future__ import annotations
 
+import re
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tollway.async_engine import AsyncEngine
 from tollway.meter.meter import Meter
@@ -48,6 +52,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes",
                   lifespan=lifespan)
     app.state.service = svc
+    app.add_middleware(RequestIds)
     errors.install(app)
     for module in (status, usage, completions):
         app.include_router(module.router)
@@ -55,3 +60,29 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     if runner is not None:
         app.include_router(batch_router(svc.batch_store, runner, caller))
     return app
+
+
+class RequestIds:
+    """Gives every response an x-request-id, as OpenAI does: the one its route set (a
+    completion's id), else the client's own, else a fresh one. Plain ASGI rather than
+    BaseHTTPMiddleware, which would hide a streaming client's disconnect from the route."""
+
+    _CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # echoed only if it is a sane header value
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        request_id = given.decode() if self._CLIENT_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if "x-request-id" not in headers:
+                    headers["x-request-id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -54,13 +54,15 @@ async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest,
                    tags_header: str | None, call: str | None) -> Response:
     tier = svc.gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
     sub = svc.validate(req, tags_header)
-    gen = await svc.start(sub, tier, key, call)
+    gen, headers = await svc.start(sub, tier, key, call)
+    headers["x-request-id"] = gen.id
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return ClosingStreamingResponse(_events(svc, gen, include_usage, sub.echo), lambda: svc.withdraw(gen),
-                                        media_type="text/event-stream")
+                                        media_type="text/event-stream", headers=headers)
     body = await svc.collect(gen, sub.echo)
-    headers = {"x-tollway-cost": f"{body['usage']['cost']:.10f}"} if svc.meter is not None else None
+    if svc.meter is not None:
+        headers["x-tollway-cost"] = f"{body['usage']['cost']:.10f}"
     return JSONResponse(body, headers=headers)
 
 

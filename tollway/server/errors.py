@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_CODE_TYPES = {"insufficient_quota": "insufficient_quota"}  # OpenAI's type for a spent quota is its code
 
 
 class APIError(Exception):
@@ -22,8 +23,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    kind = _CODE_TYPES.get(code) or _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(e: APIError) -> JSONResponse:

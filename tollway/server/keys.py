@@ -106,7 +106,9 @@ class Gatekeeper:
         raise APIError(403, f"this API key may not use the {tier} lane (service_tier={wire!r}); it may use: {allowed}",
                        param="service_tier", code="tier_not_allowed")
 
-    def admit(self, key: KeySpec | None, tokens: int) -> None:
-        """Count a request of `tokens` against the key's limits, or refuse it with 429."""
-        if key is not None and key.limited:
-            self._limits.admit(_digest(key.key), key.rpm, key.tpm, tokens)
+    def admit(self, key: KeySpec | None, tokens: int) -> dict[str, str]:
+        """Count a request of `tokens` against the key's limits, or refuse it with 429. Returns
+        the x-ratelimit-* headers of what the key has left (none for a key without limits)."""
+        if key is None or not key.limited:
+            return {}
+        return self._limits.admit(_digest(key.key), key.rpm, key.tpm, tokens).headers()

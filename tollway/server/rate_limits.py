@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from tollway.server.errors import APIError
 from tollway.storage.database import Database
@@ -42,19 +43,20 @@ class MemoryLimits:
         self._lock = threading.Lock()
         self._admitted: dict[str, deque[tuple[float, int]]] = {}  # key's name -> (time, tokens), oldest first
 
-    def admit(self, name: str, rpm: int | None, tpm: int | None, tokens: int) -> None:
+    def admit(self, name: str, rpm: int | None, tpm: int | None, tokens: int) -> Window:
         """Count a request of `tokens` against key `name`'s limits, or refuse it with 429."""
         with self._lock:
             now = self.clock()
             admitted = self._admitted.setdefault(name, deque())
             while admitted and admitted[0][0] <= now - WINDOW:
                 admitted.popleft()
-            refusal = _refusal(rpm, tpm, tokens, now, len(admitted), sum(n for _, n in admitted),
-                               admitted[0][0] if admitted else now, lambda: admitted)
+            refusal, window = _decide(rpm, tpm, tokens, now, len(admitted), sum(n for _, n in admitted),
+                                      admitted[0][0] if admitted else now, lambda: admitted)
             if refusal is None:
                 admitted.append((now, tokens))
         if refusal is not None:
             raise refusal
+        return window
 
 
 class DatabaseLimits:
@@ -65,7 +67,7 @@ class DatabaseLimits:
         self.database.create_schema(_SCHEMA)
         self._next_sweep = 0.0
 
-    def admit(self, name: str, rpm: int | None, tpm: int | None, tokens: int) -> None:
+    def admit(self, name: str, rpm: int | None, tpm: int | None, tokens: int) -> Window:
         """Count a request of `tokens` against key `name`'s limits, or refuse it with 429."""
         if self.clock() >= self._next_sweep:
             self._sweep()
@@ -78,12 +80,13 @@ class DatabaseLimits:
             count, used, oldest = db.execute("SELECT COUNT(*), COALESCE(SUM(tokens), 0), MIN(at) FROM rate_admissions "
                                              "WHERE sha256 = ?", (name,)).fetchone()
             # Committed either way: a refusal must not cost the pool its connection.
-            refusal = _refusal(rpm, tpm, tokens, now, count, used, oldest, lambda: db.execute(
+            refusal, window = _decide(rpm, tpm, tokens, now, count, used, oldest if count else now, lambda: db.execute(
                 "SELECT at, tokens FROM rate_admissions WHERE sha256 = ? ORDER BY at", (name,)).fetchall())
             if refusal is None:
                 db.execute("INSERT INTO rate_admissions VALUES (?, ?, ?)", (name, now, tokens))
         if refusal is not None:
             raise refusal
+        return window
 
     def _sweep(self) -> None:
         """Forget the keys with nothing in their window (gone quiet, or revoked): their rows would
@@ -97,6 +100,45 @@ class DatabaseLimits:
                 # Asked again under the lock: a request may have come in since.
                 if db.execute(f"DELETE FROM rate_keys WHERE sha256 = ? AND {quiet}", (name, cutoff)).rowcount:
                     db.execute("DELETE FROM rate_admissions WHERE sha256 = ?", (name,))
+
+
+@dataclass(frozen=True)
+class Window:
+    """A key's limits and its use of them in the window, as OpenAI's x-ratelimit-* headers say them."""
+
+    rpm: int | None
+    tpm: int | None
+    requests: int  # admitted in the window
+    tokens: int
+    reset: float  # seconds until the window's oldest admission ages out, freeing room
+
+    def headers(self) -> dict[str, str]:
+        headers = {}
+        for what, limit, used in (("requests", self.rpm, self.requests), ("tokens", self.tpm, self.tokens)):
+            if limit is not None:
+                headers |= {f"x-ratelimit-limit-{what}": str(limit),
+                            f"x-ratelimit-remaining-{what}": str(max(0, limit - used)),
+                            f"x-ratelimit-reset-{what}": _duration(self.reset)}
+        return headers
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's way of writing a reset time: 20ms, 8.64s, 1m0s."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{int(minutes)}m{seconds:.3g}s" if minutes else f"{seconds:.3g}s"
+
+
+def _decide(rpm: int | None, tpm: int | None, tokens: int, now: float, count: int, used: int, oldest: float,
+            admitted: Callable[[], Iterable[tuple[float, int]]]) -> tuple[APIError | None, Window]:
+    """The refusal, if any, and the key's window after the decision (see _refusal)."""
+    refusal = _refusal(rpm, tpm, tokens, now, count, used, oldest, admitted)
+    if refusal is not None:
+        window = Window(rpm, tpm, count, used, oldest + WINDOW - now)
+        refusal.headers = (refusal.headers or {}) | window.headers()
+        return refusal, window
+    return None, Window(rpm, tpm, count + 1, used + tokens, oldest + WINDOW - now)
 
 
 def _refusal(rpm: int | None, tpm: int | None, tokens: int, now: float, count: int, used: int, oldest: float,

@@ -52,9 +52,10 @@ class Service:
     def validate(self, req, tags_header: str | None = None) -> Submission:
         return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
 
-    async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None) -> Generation:
+    async def start(self, sub: Submission, tier: str, key: KeySpec | None,
+                    call: str | None) -> tuple[Generation, dict[str, str]]:
         """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a
-        fleet's ingress gave it."""
+        fleet's ingress gave it. Returns the call and the x-ratelimit-* headers of its key."""
         meter = self.meter
         gen = Generation(sub.kind, self.model_name, tier, call)
         gen.key, gen.tags = key.name if key else "", sub.tags
@@ -64,10 +65,13 @@ class Service:
             try:
                 await asyncio.to_thread(meter.budgets.reserve, gen.id, gen.key, sub.tags, most)
             except BudgetExceeded as e:
-                raise APIError(429, str(e), code="budget_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
+                # As OpenAI: a spent quota is not worth the client's automatic retries.
+                raise APIError(429, str(e), code="insufficient_quota",
+                               headers={"Retry-After": str(e.retry_after), "x-should-retry": "false"}) from None
+        limits = {}
         try:
             if key is not None and key.limited:  # a transaction in the key store's database: off the event loop
-                await asyncio.to_thread(self.gatekeeper.admit, key, sub.prompt_tokens + sub.most_output_tokens)
+                limits = await asyncio.to_thread(self.gatekeeper.admit, key, sub.prompt_tokens + sub.most_output_tokens)
             if meter is not None:
                 gen.metered = True
                 meter.watch(ids)
@@ -80,7 +84,7 @@ class Service:
                 meter.release(ids)
                 asyncio.get_running_loop().run_in_executor(None, meter.budgets.release, gen.id)
             raise
-        return gen
+        return gen, limits
 
     async def settle(self, gen: Generation) -> None:
         """Write the call's ledger row durably (before its response ends), once however the
@@ -118,7 +122,8 @@ class Service:
     async def complete_in_batch_lane(self, url: str, body: dict) -> dict:
         """One Batch API line: what POST `url` with `body` would return, run in the batch lane."""
         sub = self.validate(batch_line(url, body))
-        return await self.collect(await self.start(sub, "batch", None, None), sub.echo)
+        gen, _ = await self.start(sub, "batch", None, None)
+        return await self.collect(gen, sub.echo)
 
 
 def service(request: Request) -> Service:
