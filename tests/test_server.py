@@ -112,9 +112,14 @@ def test_every_response_has_a_request_id(server, client):
     assert given.headers["x-request-id"] == "trace-42"  # the client's own is echoed
 
 
-def test_models_and_health(server):
+def test_models_and_health(server, client):
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    one = client.models.retrieve(MODEL)
+    assert one.id == MODEL and one.object == "model" and one.model_dump(exclude_unset=True) == models["data"][0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.code == "model_not_found" and missing.value.body["param"] == "model"
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
 
 

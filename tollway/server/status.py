@@ -1,4 +1,5 @@
-"""GET /health (the engine alive and no request stuck), /metrics (Prometheus) and /v1/models."""
+"""GET /health (the engine alive and no request stuck), /metrics (Prometheus), /v1/models and
+/v1/models/{id}."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -33,5 +34,18 @@ async def prometheus(svc: Service = Depends(service)) -> Response:
 
 @router.get("/v1/models")
 async def models(_: KeySpec | None = Depends(caller), svc: Service = Depends(service)) -> dict:
-    return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0, "owned_by": "tollway",
-                                        "max_model_len": svc.max_model_len}]}
+    return {"object": "list", "data": [_model(svc)]}
+
+
+@router.get("/v1/models/{model_id:path}")  # :path: served names may hold a slash, as Hugging Face's do
+async def model(model_id: str, _: KeySpec | None = Depends(caller), svc: Service = Depends(service)) -> dict:
+    if model_id != svc.model_name:
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {svc.model_name!r}",
+                       param="model", code="model_not_found")
+    return _model(svc)
+
+
+def _model(svc: Service) -> dict:
+    """OpenAI's Model object, and the context length vLLM adds to it."""
+    return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "tollway",
+            "max_model_len": svc.max_model_len}
