@@ -1,5 +1,5 @@
 """Every OpenAI request field is honoured or refused by name, through a real server and the
-official openai client."""
+official openai client; logit_bias and the repetition penalties change what greedy decoding picks."""
 from __future__ import annotations
 
 import logging
@@ -85,3 +85,41 @@ def test_unknown_extra_fields_are_accepted_and_logged_once(client, caplog):
                                                  extra_body={"x_frobnicate_level": 3})
             assert out.choices[0].message.content
     assert sum("x_frobnicate_level" in r.getMessage() for r in caplog.records) == 1
+
+
+def _greedy(client, prompt: str, max_tokens: int, **fields) -> str:
+    return client.completions.create(model="gemma3-270m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body=fields).choices[0].text
+
+
+def test_logit_bias_bans_and_forces_tokens(client, default_tokenizer):
+    prompt = "The capital of France is"
+    plain = _greedy(client, prompt, 8)
+    [first] = default_tokenizer.encode(_greedy(client, prompt, 1), add_special_tokens=False)
+    banned = _greedy(client, prompt, 8, logit_bias={str(first): -100})
+    assert banned != plain and first not in default_tokenizer.encode(banned, add_special_tokens=False)
+    [banana] = default_tokenizer.encode(" banana", add_special_tokens=False)
+    assert _greedy(client, prompt, 3, logit_bias={str(banana): 100}) == " banana" * 3
+
+
+def test_bad_logit_bias_keys_are_refused_by_name(client):
+    for bias in ({"not-a-token": 1}, {"99999999": 1}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            _greedy(client, "Hi", 2, logit_bias=bias)
+        assert refused.value.param == "logit_bias"
+
+
+def test_frequency_penalty_reduces_repetition_in_greedy_output(client, default_tokenizer):
+    """frequency_penalty grows with each repeat, so it breaks a loop presence_penalty's flat 2 does not."""
+    prompt = "one one one one one one one one one one"
+    plain = default_tokenizer.encode(_greedy(client, prompt, 16), add_special_tokens=False)
+    penalized = default_tokenizer.encode(_greedy(client, prompt, 16, frequency_penalty=2.0), add_special_tokens=False)
+    assert len(set(plain)) < len(plain) / 2  # the model repeats itself here...
+    assert len(set(penalized)) / len(penalized) > len(set(plain)) / len(plain)  # ...less so when penalized
+
+
+def test_penalties_out_of_range_are_refused_by_name(client):
+    for field in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="gemma3-270m", messages=MESSAGES, max_tokens=2, **{field: 2.5})
+        assert refused.value.param == field

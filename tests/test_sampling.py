@@ -1,4 +1,4 @@
-"""Sampling on synthetic logits: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Sampling on synthetic logits: greedy, temperature, top-k, top-p, seeds, logprobs, penalties and logit_bias."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tollway.model.sampling import native_draw, sample
+from tollway.model.sampling import adjust_logits, native_draw, only_argmax_needed, sample
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq
 
@@ -93,6 +93,10 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=50), "logprobs"),
     (dict(stop=[""]), "stop"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={100: 1}), "logit_bias"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -170,3 +174,53 @@ def test_without_a_compiler_sampling_runs_on_torch(tmp_path, monkeypatch, caplog
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert native_draw(tmp_path) is None
     assert "sampling.c" in caplog.text and "torch for sampling" in caplog.text
+
+
+def _adjusted_by_definition(row: torch.Tensor, generated: list[int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's definition, token by token."""
+    want = row.clone()
+    for token in set(generated):
+        count = generated.count(token)
+        want[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
+    for token, bias in params.logit_bias.items():
+        want[token] += bias
+    return want
+
+
+def test_penalties_and_bias_follow_the_definition_over_the_requests_own_output():
+    """Values exact in float32, so the adjusted logits must match bit for bit; the prompt's tokens
+    (in token_ids) do not count, only the request's output and, per row, the drafts before it."""
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: -3.0, 2: 1.5})
+    output = [3, 3, 3, 9, 2]
+    seq = ScheduledSeq("r", "standard", (11, 12, 5, 9), 20, (0,), True, params, num_draft=2,
+                       output_token_ids=tuple(output))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    got = logits.clone()
+    adjust_logits(got, [seq])
+    for i, drafts in enumerate([[], [5], [5, 9]]):
+        assert torch.equal(got[i], _adjusted_by_definition(logits[i], output + drafts, params))
+    assert torch.equal(got[0, 11], logits[0, 11])  # a prompt token: not counted
+
+
+def test_a_row_is_adjusted_the_same_alone_or_in_a_batch():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 300, generator=gen)
+    seqs = [_seq(SamplingParams(temperature=0, presence_penalty=0.1 * i, frequency_penalty=-0.2 * i,
+                                logit_bias={i: 5.0 * i}), rid=str(i))._replace(
+                output_token_ids=tuple(torch.randint(0, 300, (10 * i,), generator=gen).tolist())) for i in range(8)]
+    batched = logits.clone()
+    adjust_logits(batched, seqs)
+    for i, seq in enumerate(seqs):
+        alone = logits[i:i + 1].clone()
+        adjust_logits(alone, [seq])
+        assert torch.equal(batched[i], alone[0])
+    assert not torch.equal(batched[7], logits[7])
+
+
+def test_greedy_rows_with_a_penalty_or_bias_take_the_adjusted_argmax():
+    logits = LOGITS.clone().unsqueeze(0)  # argmax 0
+    biased = _seq(SamplingParams(temperature=0, logit_bias={0: -100.0}))
+    penalized = _seq(SamplingParams(temperature=0, frequency_penalty=2.0))._replace(output_token_ids=(0,))
+    assert not only_argmax_needed([biased]) and not only_argmax_needed([penalized])
+    assert sample(logits.clone(), [biased], torch.Generator())[0][0].token_id == 1
+    assert sample(logits.clone(), [penalized], torch.Generator())[0][0].token_id == 1

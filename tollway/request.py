@@ -38,6 +38,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    # OpenAI's: logit -= presence_penalty * (count > 0) + frequency_penalty * count, count over the
+    # tokens this request has generated; logit += logit_bias[token]. Greedy rows too.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest, naming the field, for any bad value."""
@@ -55,10 +60,18 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be a list of non-empty strings"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (all(isinstance(t, int) and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias",
+             "logit_bias must map token ids to biases in [-100, 100]"),
         ]
         if vocab_size is not None:
             checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                            f"stop_token_ids must be in [0, {vocab_size})"))
+            checks.append((all(0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
+                           f"logit_bias token ids must be in [0, {vocab_size})"))
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
@@ -66,6 +79,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalizes_repeats(self) -> bool:
+        """Whether the sampler needs the tokens generated so far."""
+        return bool(self.frequency_penalty or self.presence_penalty)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalizes_repeats or bool(self.logit_bias)
 
 
 class RequestState(enum.Enum):

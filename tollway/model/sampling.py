@@ -1,5 +1,5 @@
-"""Turn one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs, and
-the verification of speculative drafts.
+"""Turn one step's logits into tokens: min_tokens' bans, repetition penalties and logit_bias, then
+greedy, temperature, top-k, top-p, seeds, logprobs, and the verification of speculative drafts.
 
 A sampled row without drafts is drawn in one native call for the whole step where sampling.c
 compiles (`NativeDraw`); torch does the same draw otherwise, and for drafts."""
@@ -63,11 +63,7 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
     """logits: [rows, V] float32, seq i owning the next seq.num_logit_rows rows (1, or 1 + k
     when verifying k drafts). Per seq: the drafts it keeps, then the token sampled after them.
     `draw`: the native draw for sampled rows without drafts (else torch's)."""
-    row = 0
-    for seq in seqs:
-        if seq.banned_token_ids:  # min_tokens not reached: EOS and stop ids are off the table
-            logits[row:row + seq.num_logit_rows, list(seq.banned_token_ids)] = float("-inf")
-        row += seq.num_logit_rows
+    adjust_logits(logits, seqs)
     # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows), but
     # nothing at all where no row is greedy (14 ms at 64 rows of 262k).
     argmax = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else []
@@ -90,6 +86,31 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
     return out
 
 
+def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+    """In place, each seq's rows: min_tokens' bans, then its penalties and logit_bias. A row's
+    adjustment depends on its own request alone, so batching never changes it."""
+    row = 0
+    for seq in seqs:
+        rows = logits[row:row + seq.num_logit_rows]
+        if seq.banned_token_ids:  # min_tokens not reached: EOS and stop ids are off the table
+            rows[:, list(seq.banned_token_ids)] = float("-inf")
+        p = seq.params
+        if p.penalizes_repeats:
+            for i in range(len(rows)):  # row i samples after the first i drafts: they count too
+                _penalize(rows[i], (*seq.output_token_ids, *seq.drafts[:i]), p.presence_penalty, p.frequency_penalty)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        row += seq.num_logit_rows
+
+
+def _penalize(row: torch.Tensor, generated: tuple[int, ...], presence: float, frequency: float) -> None:
+    """OpenAI's penalties: row[t] -= presence * (count_t > 0) + frequency * count_t."""
+    if generated:
+        ids, counts = torch.tensor(generated, device=row.device).unique(return_counts=True)
+        row[ids] -= presence + frequency * counts.to(row.dtype)
+
+
 def _draw_plain(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator,
                 draw: NativeDraw) -> dict[int, int]:
     """Row -> token for every sampled seq without drafts, in one native call; each row's uniform
@@ -105,8 +126,10 @@ def _draw_plain(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch
 
 
 def only_argmax_needed(seqs: list[ScheduledSeq]) -> bool:
-    """Whether each row's argmax alone decides the step's tokens: all greedy, no logprobs, nothing banned."""
-    return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids for s in seqs)
+    """Whether each row's raw argmax alone decides the step's tokens: all greedy, no logprobs, nothing
+    banned, no penalty or bias."""
+    return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids
+               and not s.params.adjusts_logits for s in seqs)
 
 
 def sample_greedy(argmax: list[int], seqs: list[ScheduledSeq]) -> list[list[SampledToken]]:

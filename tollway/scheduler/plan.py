@@ -30,6 +30,8 @@ class ScheduledSeq(NamedTuple):
     params: SamplingParams
     num_draft: int = 0
     banned_token_ids: tuple[int, ...] = ()  # not to be sampled this step (min_tokens not reached)
+    # the request's generated tokens before this step, only where its penalties count them
+    output_token_ids: tuple[int, ...] = ()
 
     @property
     def drafts(self) -> tuple[int, ...]:

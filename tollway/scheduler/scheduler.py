@@ -397,7 +397,8 @@ class Scheduler:
         self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
-                            request.params, len(drafts), self._banned(request))
+                            request.params, len(drafts), self._banned(request),
+                            tuple(request.output_token_ids) if request.params.penalizes_repeats else ())
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.params

@@ -36,8 +36,6 @@ _TOOLS = "tools and function calling are not supported yet"
 # OpenAI fields tollway does not honour: the values that ask for nothing (accepted), and why any
 # other value is refused.
 NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "frequency_penalty": ((None, 0), "frequency_penalty is not supported"),
-    "presence_penalty": ((None, 0), "presence_penalty is not supported"),
     "best_of": ((None, 1), "best_of is not supported: ask for n choices and pick one"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "tools": ((None, []), _TOOLS),
@@ -97,8 +95,9 @@ class SamplingFields(BaseModel):
     # becomes the request's tags in the ledger ("key=value")
     metadata: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] \
         | None = Field(default=None, max_length=MAX_METADATA)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # token id (a string, as OpenAI's) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)  # -1 and 0 both disable

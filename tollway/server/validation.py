@@ -112,13 +112,22 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         # n > 1 with a seed: each choice its own reproducible stream
         seed=None if req.seed is None else req.seed + n_index, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-        min_tokens=req.min_tokens,
+        min_tokens=req.min_tokens, frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0, logit_bias=token_biases(req.logit_bias),
     )
     try:
         params.validate()
     except InvalidRequest as e:
         raise invalid(e, False) from None
     return params
+
+
+def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, keyed by token id strings, keyed by token ids."""
+    try:
+        return {int(token): bias for token, bias in (logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
 def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
