@@ -121,3 +121,40 @@ def test_nothing_is_reserved_outside_lanes(policy):
     assert config.tiers["fast"].reserved_kv_share > 0
     for tier in ("fast", "standard", "batch"):
         assert config.reserved("kv", tier) == config.reserved("seq", tier) == 0
+
+
+@pytest.mark.parametrize("value, total, expected", [
+    ("2GiB", 0, 2 * 2**30), ("500MB", 0, 500 * 10**6), ("1.5 kib", 0, 1536), (1e9, 0, 10**9), ("4096", 0, 4096),
+    ("0.25", 8000, 2000), (0.5, 8000, 4000),
+])
+def test_kv_cache_memory_is_bytes_or_a_share(value, total, expected):
+    from tollway.config import memory_budget
+
+    assert memory_budget(value, total) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GB", "0", "2 GiBs", True])
+def test_bad_kv_cache_memory_is_refused(value):
+    from tollway.config import memory_budget
+
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        memory_budget(value, 10**9)
+
+
+def test_kv_pool_blocks_fill_the_budget():
+    from tollway.config import kv_pool_blocks
+
+    # Gemma 3 270M in float16: 18 layers x 1 KV head x 256 x (K and V) x 2 bytes = 18432 bytes a token.
+    assert kv_pool_blocks("18MiB", 0, 18432, 16) == 64
+    assert kv_pool_blocks(0.5, 2 * 18432 * 16 * 10 + 1, 18432, 16) == 10
+    with pytest.raises(ValueError, match="holds no KV block"):
+        kv_pool_blocks("1KB", 0, 18432, 16)
+
+
+@pytest.mark.parametrize("given, model_limit, expected", [
+    (None, 32768, 2048 * 16), (None, 4096, 4096), (None, None, 2048 * 16), (100_000, 32768, 32768), (512, 32768, 512),
+])
+def test_max_model_len_defaults_to_what_the_model_and_pool_allow(given, model_limit, expected):
+    sched = SchedulerConfig(max_model_len=given)
+    sched.fit_context(model_limit)
+    assert sched.max_model_len == expected

@@ -4,6 +4,7 @@ the simulator (tollway profile, simulate, plan)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tollway.bench import cli as bench_cli
 from tollway.sim import cli as sim_cli
 from tollway.config import (
     KERNELS, KV_CACHE_DTYPES, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
+    memory_budget,
 )
 from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams
@@ -33,10 +35,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tier", default="standard", choices=TIERS)
     add_engine_arguments(gen)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL",
+                       help="a .gguf file or a Hugging Face folder (default: the embedded gemma3-270m); as --model")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="default 8000")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
-    serve.add_argument("--api-key", action="append", default=[], help="a key allowed every tier; repeat for more")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="a key allowed every tier; repeat for more. Also read from $TOLLWAY_API_KEY, "
+                            "which keeps it out of the process list")
     serve.add_argument("--admin-key", action="append", default=[],
                        help="a key that may also open /dashboard (admin = true in [[keys]] does the same)")
     serve.add_argument("--keys-db", help=f"the SQLite key store (default {default_keys_db()})")
@@ -45,6 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int,
                        help="run N engines as a Ray Serve deployment behind the tier-aware router (needs tollway[ray])")
     serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                       help="uvicorn's log level; at info and below, every request is logged (the access log)")
     add_engine_arguments(serve)
     keys = sub.add_parser("keys", help="manage API keys in the key store")
     keys.add_argument("action", choices=("add", "list", "revoke"))
@@ -138,7 +146,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         help="auto: float16 on the CPU (float32 under --kernel fp32), bfloat16 on a GPU")
-    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-model-len", type=int,
+                        help="prompt + output tokens per request (default: what the model supports and the KV pool holds)")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences per step at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (decodes + prefill chunks)")
+    parser.add_argument("--kv-cache-memory", metavar="SIZE",
+                        help="the KV pool's memory: bytes (2GiB, 500MB) or a share of the device's memory (0.2); "
+                             "default: 2048 blocks of 16 tokens")
+    parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                        help="a Jinja chat template, as a file or inline, in place of the model's own")
     parser.add_argument("--policy", choices=POLICIES)
     parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
     parser.add_argument("--standard-tpot-slo", type=float, metavar="SECONDS", help="the standard lane's p99 TPOT SLO")
@@ -147,16 +163,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     config = load_config(args.config) if args.config else EngineConfig()
     sched = config.scheduler
-    for value, target, name in ((args.model, config, "model"), (args.device, config, "device"),
+    model = getattr(args, "model_path", None)
+    if model and args.model and model != args.model:
+        raise ValueError(f"two models given: {model} and --model {args.model}")
+    for value, target, name in ((model or args.model, config, "model"), (args.device, config, "device"),
                                 (args.threads, config, "num_threads"), (args.kernel, sched, "kernel"),
                                 (args.kv_cache_dtype, config, "kv_cache_dtype"),
                                 (args.max_model_len, sched, "max_model_len"), (args.policy, sched, "policy"),
+                                (args.max_num_seqs, sched, "max_num_seqs"),
+                                (args.max_num_batched_tokens, sched, "max_num_batched_tokens"),
+                                (args.kv_cache_memory, config, "kv_cache_memory"),
+                                (chat_template(args.chat_template), config, "chat_template"),
                                 (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
                                 (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):
         if value is not None:
             setattr(target, name, value)
     sched.validate()
+    if config.kv_cache_memory is not None:
+        memory_budget(config.kv_cache_memory, 1)  # refused here, before the model loads
     return config
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template's Jinja text: the file it names, or the text itself; checked here, so that
+    a template that does not parse is one line now rather than an error on every chat request."""
+    import jinja2
+
+    if value is None:
+        return None
+    path = Path(value)
+    is_file = "{" not in value and path.is_file()
+    if "{" not in value and not is_file:
+        raise ValueError(f"--chat-template: no such file {value} (inline templates contain {{%, {{{{ or {{#)")
+    text = path.read_text() if is_file else value
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from None
+    return text
 
 
 def _generate(args) -> int:
@@ -197,7 +241,7 @@ def _serve(args) -> int:
                         (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url")):
         if value is not None:
             setattr(server, name, value)
-    server.keys += [KeySpec(key) for key in args.api_key]
+    server.keys += [KeySpec(key) for key in args.api_key + api_keys_from_environment()]
     server.keys += [KeySpec(key, "admin", admin=True) for key in args.admin_key]
     config = engine_config(args)
     name = server.served_model_name or config.model
@@ -218,7 +262,7 @@ def _serve(args) -> int:
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,
-                    port=server.port, log_level="warning")
+                    port=server.port, log_level=args.log_level, access_log=args.log_level in ("debug", "trace", "info"))
     finally:
         engine.shutdown()
         meter.budgets.close()
@@ -227,6 +271,14 @@ def _serve(args) -> int:
         for database in {meter.ledger.database, gatekeeper.database.database}:
             database.close()
     return 0
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def api_keys_from_environment() -> list[str]:
+    """$TOLLWAY_API_KEY: one key, or several separated by commas; unlike --api-key, not shown by ps."""
+    return [key.strip() for key in os.environ.get("TOLLWAY_API_KEY", "").split(",") if key.strip()]
 
 
 def server_parts(server: ServerConfig, config: EngineConfig):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,9 @@ class SchedulerConfig:
     # size, so the cap sits well above it: fast's reserved seats then cost nothing while idle.
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
-    max_model_len: int = 8192  # prompt + output, per request
+    # Prompt + output, per request. None: as long as the model allows and the KV pool holds
+    # (settled by fit_context when the engine or a scheduler starts).
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # Linear-layer kernel: a fixed name from KERNELS, or "auto" to pick per step by its token count.
     # q8 is the native integer matmul (weights in blocks of 32, each tensor packed as exactly as its
@@ -101,6 +104,9 @@ class SchedulerConfig:
     speculation_min_rate: float = 0.25
 
     def validate(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if sorted(self.tiers) != sorted(TIERS):
@@ -118,9 +124,14 @@ class SchedulerConfig:
             raise ValueError(f"dense_kernel must be one of {', '.join(KERNELS)}, got {self.dense_kernel!r}")
         if self.speculative_tokens < 0 or not 0 <= self.speculation_min_rate <= 1:
             raise ValueError("speculative_tokens must be >= 0 and speculation_min_rate in [0, 1]")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def fit_context(self, model_limit: int | None = None) -> None:
+        """Settle max_model_len: never past the model's context length (`model_limit`); unset,
+        all of it that the KV pool holds."""
+        limits = [n for n in (self.max_model_len, model_limit) if n is not None]
+        if self.max_model_len is None:
+            limits.append(self.num_blocks * self.block_size)
+        self.max_model_len = min(limits)
 
     def reserved(self, what: str, tier: str) -> int:
         """Blocks ("kv") or sequence slots ("seq") only `tier` may use; none outside lanes."""
@@ -154,9 +165,42 @@ class EngineConfig:
     # float32), float32 under the pinned fp32 kernel (which then matches transformers exactly),
     # bfloat16 on a GPU.
     kv_cache_dtype: str = "auto"
+    # The KV pool's size: bytes ("2GiB", "500MB", or a number) or a share of the device's memory
+    # (0.2). None: scheduler.num_blocks blocks.
+    kv_cache_memory: str | float | None = None
+    # A Jinja chat template (the text) in place of the model's own.
+    chat_template: str | None = None
     # Time synthetic steps at the first start (then remembered) to seed the step-time model
     # that shapes steps under the lanes policy. Off: no time-based shaping.
     profile_steps: bool = True
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_budget(value: str | float, total: int) -> int:
+    """Bytes meant by a kv_cache_memory value: "2GiB", "500MB", 1e9, or a share (0, 1) of `total`."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", str(value), re.IGNORECASE)
+    if isinstance(value, bool) or match is None:
+        raise ValueError(f"kv_cache_memory must be bytes (like 2GiB or 500MB) or a share of memory in (0, 1), "
+                         f"got {value!r}")
+    number, unit = float(match[1]), (match[2] or "").lower()
+    if not unit and 0 < number < 1:
+        return int(number * total)
+    if number < 1:
+        raise ValueError(f"kv_cache_memory must be more than 0, got {value!r}")
+    return int(number * _MEMORY_UNITS[unit])
+
+
+def kv_pool_blocks(value: str | float, total_memory: int, kv_bytes_per_token: int, block_size: int) -> int:
+    """KV blocks that fit in the kv_cache_memory budget `value`."""
+    budget = memory_budget(value, total_memory)
+    blocks = budget // (kv_bytes_per_token * block_size)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory {value!r} ({budget} bytes) holds no KV block of "
+                         f"{kv_bytes_per_token * block_size} bytes")
+    return blocks
 
 
 @dataclass

@@ -10,8 +10,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from tollway.config import EngineConfig
-from tollway.model.runner import ModelRunner
+from tollway.config import EngineConfig, kv_pool_blocks
+from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
@@ -23,6 +23,7 @@ from tollway.request import InvalidRequest, Request, SamplingParams
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
+from tollway.sim.hardware import kv_bytes_per_token
 from tollway.scheduler.step_model import StepTimeModel
 from tollway.text.stream import TextStream
 
@@ -33,6 +34,13 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device cuda was asked for, but no CUDA GPU is available")
     return torch.device(name)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device` (RAM for the CPU), which a kv_cache_memory share is of."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Engine:
@@ -49,12 +57,18 @@ class Engine:
             loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
             bar.update()
             self.model_config = loaded.config
-            sched.max_model_len = min(sched.max_model_len, self.model_config.max_position_embeddings)
             if self.device.type == "cuda" and sched.kernel == "auto":
                 sched.int8_max_tokens, sched.dense_kernel = 0, "bf16"  # the int8 matmul here is a CPU kernel
+            if config.kv_cache_memory is not None:
+                kv_dtype = kv_dtype_for(self.device, config.kv_cache_dtype, sched.kernels_to_load())
+                sched.num_blocks = kv_pool_blocks(config.kv_cache_memory, device_memory(self.device),
+                                                  kv_bytes_per_token(self.model_config, kv_dtype.itemsize),
+                                                  sched.block_size)
+            sched.fit_context(self.model_config.max_position_embeddings)
+            sched.validate()
             with ThreadPoolExecutor(1) as pool:
                 # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
-                tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path) if loaded.tokenizer_path else None
+                tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path, config.chat_template) if loaded.tokenizer_path else None
                 self.runner = ModelRunner(
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),

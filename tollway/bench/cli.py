@@ -13,7 +13,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, single_url: bool = Tru
     server = parser.add_argument_group("server")
     if single_url:
         server.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
-    server.add_argument("--model", required=True, help="the model name the server expects")
+    server.add_argument("--model", help="the model name the server expects (default: the one its /v1/models lists)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     server.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -100,6 +100,21 @@ def bench_config(args, url: str):
     return config
 
 
+def served_model(url: str, api_key: str | None) -> str:
+    """The model the server at `url` lists first on /v1/models (--model's default)."""
+    import httpx
+
+    from tollway.bench.client import server_root
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{server_root(url)}/v1/models", headers=headers, timeout=30.0)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"no --model given, and {url}/v1/models did not name one ({e}): pass --model") from None
+
+
 def load_tokenizer(args):
     """The tokenizer prompts are measured with; None where only a dataset is sent and none is given."""
     from tollway.text.tokenizer import Tokenizer
@@ -125,6 +140,7 @@ def bench_main(args) -> int:
     from tollway.bench.report import write_report
     from tollway.bench.run import run_bench, write_result
 
+    args.model = args.model or served_model(args.url, args.api_key)
     result = run_bench(bench_config(args, args.url), load_tokenizer(args), show=not args.quiet)
     output = Path(args.output)
     json_path = write_result(result, output)
@@ -140,6 +156,7 @@ def compare_main(args) -> int:
     from tollway.bench.report import write_report
     from tollway.bench.run import run_bench, write_result
 
+    args.model = args.model or served_model(args.url[0], args.api_key)
     tokenizer = load_tokenizer(args)
     base = bench_config(args, args.url[0])
     if len(base.patterns) != 1:

@@ -41,6 +41,12 @@ class RequestRecord:
         return {**vars(self), "chunk_times": list(self.chunk_times)}
 
 
+def server_root(url: str) -> str:
+    """The server's address without a trailing /v1, which users often include."""
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
 class OpenAIClient:
     """POSTs streamed completions (or chat completions) and times them."""
 
@@ -48,8 +54,7 @@ class OpenAIClient:
                  timeout: float = 600.0, ignore_eos: bool = True):
         if endpoint not in ("completions", "chat"):
             raise ValueError(f"--endpoint: expected completions or chat, got {endpoint!r}")
-        base = url.rstrip("/")
-        self.base = base[:-3] if base.endswith("/v1") else base
+        self.base = server_root(url)
         self.model, self.endpoint, self.ignore_eos = model, endpoint, ignore_eos
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -52,6 +52,7 @@ class Scheduler:
         self.policy = POLICY_TYPES[config.policy](self)
         self.step_model = step_model  # sets _candidates
         self.clock = clock
+        config.fit_context()  # max_model_len unset: what the pool holds (the engine settles it first)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
         # The pool bounds a tier's longest request as max_model_len does: a lone request must

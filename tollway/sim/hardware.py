@@ -71,8 +71,8 @@ def linear_parameters(m: ModelConfig) -> tuple[float, float]:
     return m.num_layers * (attention + mlp), m.vocab_size * m.hidden_size
 
 
-def kv_bytes_per_token(m: ModelConfig) -> int:
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2  # K and V, bf16
+def kv_bytes_per_token(m: ModelConfig, itemsize: int = 2) -> int:
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * itemsize  # K and V, bf16 unless told
 
 
 def kv_tokens(m: ModelConfig, h: Hardware) -> int:
