@@ -13,7 +13,10 @@ import httpx
 import openai
 import pytest
 
-from live_server import MODEL, free_port, wait_until_up
+from tollway.config import BudgetSpec, KeySpec
+from tollway.server.keys import Gatekeeper
+
+from live_server import MODEL, free_port, make_meter, running_server, wait_until_up
 from test_server import server  # noqa: F401 -- the shared live server
 
 
@@ -91,7 +94,8 @@ def test_cancel_keeps_what_finished(client):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input_file_id": "file_nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, 404, "file_id"),
+    ({"input_file_id": "file_nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, 404,
+     "input_file_id"),
     ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400, "endpoint"),
     ({"input_file_id": "x", "endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400, "completion_window"),
     ({"endpoint": "/v1/chat/completions"}, 400, "input_file_id"),
@@ -105,6 +109,94 @@ def test_upload_needs_purpose_batch(server):  # noqa: F811
     r = httpx.post(server["url"] + "/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "fine-tune"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
     assert httpx.get(server["url"] + "/v1/files/file_nope").status_code == 404
+
+
+def test_files_list_in_pages_the_client_walks_to_the_end(client):
+    mine = [client.files.create(file=(f"page{i}.jsonl", io.BytesIO(_jsonl([_chat_line(i)]))), purpose="batch").id
+            for i in range(5)]
+    walked = list(client.files.list(limit=2))  # auto-pagination: it must end
+    ids = [f.id for f in walked]
+    assert len(ids) == len(set(ids)) and set(mine) <= set(ids)
+    keys = [(f.created_at, f.id) for f in walked]
+    assert keys == sorted(keys, reverse=True)  # newest first, as OpenAI
+    first = client.files.list(limit=2, order="asc")
+    assert len(first.data) == 2 and first.has_more
+    rest = client.files.list(after=first.data[-1].id, order="asc", limit=10_000)
+    assert not rest.has_more and [f.id for f in first.data + rest.data] == ids[::-1]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.files.list(limit=0)
+    assert bad.value.body["param"] == "limit"
+
+
+OWNER_KEYS = [KeySpec("sk-ann", "ann"), KeySpec("sk-ben", "ben"), KeySpec("sk-slow", "slow", rpm=2),
+              KeySpec("sk-broke", "broke")]
+
+
+@pytest.fixture(scope="module")
+def keyed(make_engine, tmp_path_factory):
+    """Keys, a meter and a budget nothing fits in, for key `broke`."""
+    folder = tmp_path_factory.mktemp("owned")
+    meter = make_meter(folder / "ledger.sqlite", [BudgetSpec(limit=1e-12, key="broke", period="daily")])
+    yield from running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(OWNER_KEYS),
+                              batch_dir=folder, meter=meter)
+
+
+def _as(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=key, max_retries=0)
+
+
+def _batch_of(client: openai.OpenAI, lines: list[dict]):
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    return uploaded, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+
+
+def test_files_and_batches_belong_to_the_key_that_made_them(keyed):
+    ann, ben = _as(keyed, "sk-ann"), _as(keyed, "sk-ben")
+    uploaded, batch = _batch_of(ann, [_chat_line(i) for i in range(2)])
+    done = _wait(ann, batch.id, ("completed",))
+    for call in (lambda: ben.files.retrieve(uploaded.id), lambda: ben.files.content(uploaded.id),
+                 lambda: ben.files.content(done.output_file_id), lambda: ben.files.delete(uploaded.id),
+                 lambda: ben.batches.retrieve(batch.id), lambda: ben.batches.cancel(batch.id),
+                 lambda: ben.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [f.id for f in ben.files.list()] == [] and [b.id for b in ben.batches.list()] == []
+    assert {f.id for f in ann.files.list()} == {uploaded.id, done.output_file_id}
+    assert [b.id for b in ann.batches.list()] == [batch.id]
+    assert ann.files.delete(uploaded.id).deleted
+    # Metered as ann's own requests, in the batch lane.
+    usage = httpx.get(keyed["url"] + "/v1/usage", params={"group_by": "tier"},
+                      headers={"Authorization": "Bearer sk-ann"}).json()["data"]
+    assert [(row["tier"], row["requests"]) for row in usage] == [("batch", 2)]
+
+
+def test_batch_lines_are_budgeted_as_their_keys_requests(keyed):
+    broke = _as(keyed, "sk-broke")
+    _, batch = _batch_of(broke, [_chat_line(0)])
+    done = _wait(broke, batch.id, ("completed",))
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 1)
+    error = json.loads(broke.files.content(done.error_file_id).text)
+    assert error["response"]["status_code"] == 429
+    assert error["response"]["body"]["error"]["code"] == "insufficient_quota"
+
+
+def test_batch_lines_wait_for_room_in_their_keys_rate_limit(keyed):
+    slow = _as(keyed, "sk-slow")
+    _, batch = _batch_of(slow, [_chat_line(i) for i in range(3)])
+    deadline = time.time() + 60
+    while slow.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(1)
+    throttled = slow.batches.retrieve(batch.id)  # the third waits for the window, and has not failed
+    assert throttled.status == "in_progress" and throttled.request_counts.failed == 0
+    assert throttled.request_counts.completed == 2
+    with pytest.raises(openai.RateLimitError):  # the batch spent the key's window
+        slow.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    cancelled = slow.batches.cancel(batch.id)
+    assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 2
 
 
 def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tmp_path):

@@ -14,7 +14,7 @@ from tollway.server.batch_store import BatchStore
 from tollway.storage.database import Database
 
 
-async def _complete(url: str, body: dict) -> dict:
+async def _complete(url: str, body: dict, owner: str) -> dict:
     await asyncio.sleep(body["seconds"])
     return {"id": f"done-{body['seconds']}"}
 
@@ -58,7 +58,7 @@ def test_a_batch_found_expired_after_a_restart_expires_without_running(store_tar
     store = BatchStore(Database(store_target))
     calls = []
 
-    async def complete(url: str, body: dict) -> dict:
+    async def complete(url: str, body: dict, owner: str) -> dict:
         calls.append(body)
         return {"id": "x"}
 
@@ -93,7 +93,7 @@ def test_two_servers_on_one_store_run_each_line_once(store_target):
     stores = [BatchStore(Database(store_target)) for _ in range(2)]
     calls = []
 
-    async def complete(url: str, body: dict) -> dict:
+    async def complete(url: str, body: dict, owner: str) -> dict:
         calls.append(body["seconds"])
         await asyncio.sleep(0.01)
         return {"id": "x"}
@@ -119,7 +119,7 @@ def test_a_job_moves_to_another_server_when_its_own_stops_or_dies(store_target):
     stores = [BatchStore(Database(store_target)) for _ in range(2)]
     started = []
 
-    async def complete(url: str, body: dict) -> dict:
+    async def complete(url: str, body: dict, owner: str) -> dict:
         started.append(body["seconds"])
         await asyncio.sleep(body["seconds"])
         return {"id": "x"}

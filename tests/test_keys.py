@@ -10,7 +10,7 @@ import pytest
 from tollway.cli import main
 from tollway.config import KeySpec
 from tollway.server.errors import APIError
-from tollway.server.keys import Gatekeeper, KeyDatabase
+from tollway.server.keys import Gatekeeper, KeyDatabase, owner_of
 
 
 class Clock:
@@ -153,3 +153,17 @@ def test_keys_cli_on_the_fleets_database(postgres, capsys):
     assert main(["keys", "revoke", "--name", "alice", "--database-url", url]) == 0
     with pytest.raises(APIError):
         gate.authenticate(f"Bearer {key}")
+
+
+def test_a_batch_owner_names_its_key_and_shares_its_window(tmp_path):
+    database = KeyDatabase(tmp_path / "keys.sqlite")
+    stored = database.add("dan", ["batch"], rpm=1, tpm=None)
+    gate = Gatekeeper([KeySpec("sk-cfg", "cfg")], database, clock=Clock())
+    dan = gate.authenticate(f"Bearer {stored}")
+    assert gate.key_of(owner_of(gate.authenticate("Bearer sk-cfg"))).name == "cfg"
+    found = gate.key_of(owner_of(dan))
+    assert (found.name, found.rpm, found.key) == ("dan", 1, "")  # the store keeps no secret to give back
+    assert gate.key_of("") is None and gate.key_of("0" * 64) is None
+    gate.admit(found, 1, owner_of(dan))  # a batch line, as dan
+    with pytest.raises(APIError):
+        gate.admit(dan, 1)  # dan's own request finds the window spent

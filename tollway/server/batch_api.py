@@ -1,6 +1,7 @@
 """OpenAI's Files and Batches endpoints, the batch lane's front door:
 /v1/files (upload with purpose=batch, list, retrieve, content, delete) and
-/v1/batches (create, retrieve, list, cancel)."""
+/v1/batches (create, retrieve, list, cancel). A key sees only the files and batches it made:
+another's are a 404, as if they did not exist."""
 from __future__ import annotations
 
 import json
@@ -15,10 +16,12 @@ from tollway.config import KeySpec
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore, new_id
 from tollway.server.errors import APIError
+from tollway.server.keys import owner_of
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_FILE_BYTES = 100 * 2**20
 MAX_LINES = 50_000  # as OpenAI
+MAX_FILES_PAGE = 10_000  # OpenAI's most and default files per page
 
 
 class BatchCreate(BaseModel):
@@ -31,46 +34,57 @@ class BatchCreate(BaseModel):
 def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> APIRouter:
     router = APIRouter()
 
-    def batch_key(key: KeySpec | None = Depends(caller)) -> KeySpec | None:
+    def batch_owner(key: KeySpec | None = Depends(caller)) -> str:
+        """The caller's owner_of, once its key may use the batch lane."""
         if key is not None and "batch" not in key.tiers:
             raise APIError(403, "this API key may not use the batch lane", code="tier_not_allowed")
-        return key
+        return owner_of(key)
 
     @router.post("/v1/files")
-    async def upload(file: UploadFile = File(...), purpose: str = Form(...), _=Depends(batch_key)) -> dict:
+    async def upload(file: UploadFile = File(...), purpose: str = Form(...), owner: str = Depends(batch_owner)) -> dict:
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
         data = await file.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise APIError(413, f"files are limited to {MAX_FILE_BYTES // 2**20} MiB", param="file")
-        return store.add_file(file.filename or "upload.jsonl", purpose, data)
+        return store.add_file(file.filename or "upload.jsonl", purpose, data, owner)
 
     @router.get("/v1/files")
-    async def list_files(purpose: str | None = None, _=Depends(batch_key)) -> dict:
-        return {"object": "list", "data": store.files(purpose)}
+    async def list_files(purpose: str | None = None, after: str | None = None, limit: int = MAX_FILES_PAGE,
+                         order: str = "desc", owner: str = Depends(batch_owner)) -> dict:
+        """A page, as OpenAI's: newest first unless order=asc; the next starts after last_id."""
+        if not 1 <= limit <= MAX_FILES_PAGE:
+            raise APIError(400, f"limit must be between 1 and {MAX_FILES_PAGE}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        cursor = _file(store, after, owner, "after") if after is not None else None
+        page = store.files(owner, purpose, cursor, limit + 1, order == "desc")
+        has_more, page = len(page) > limit, page[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": has_more}
 
     @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str, _=Depends(batch_key)) -> dict:
-        return _file(store, file_id)
+    async def get_file(file_id: str, owner: str = Depends(batch_owner)) -> dict:
+        return _file(store, file_id, owner)
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str, _=Depends(batch_key)) -> Response:
-        _file(store, file_id)
+    async def file_content(file_id: str, owner: str = Depends(batch_owner)) -> Response:
+        _file(store, file_id, owner)
         return Response(store.file_content(file_id), media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str, _=Depends(batch_key)) -> dict:
-        _file(store, file_id)
+    async def delete_file(file_id: str, owner: str = Depends(batch_owner)) -> dict:
+        _file(store, file_id, owner)
         store.delete_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @router.post("/v1/batches")
-    async def create(req: BatchCreate, _=Depends(batch_key)) -> dict:
+    async def create(req: BatchCreate, owner: str = Depends(batch_owner)) -> dict:
         if req.endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
         if req.completion_window != "24h":
             raise APIError(400, "completion_window must be '24h'", param="completion_window")
-        _file(store, req.input_file_id)
+        _file(store, req.input_file_id, owner, "input_file_id")
         lines, errors = _parse_lines(store.file_content(req.input_file_id), req.endpoint)
         now = int(time.time())
         batch = {
@@ -84,16 +98,16 @@ def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> AP
         if errors:  # as OpenAI: the batch exists, and failed validation with these errors
             batch.update(status="failed", failed_at=now, errors={"object": "list", "data": errors[:100]})
             batch["request_counts"]["total"] = 0
-            return store.create_batch(batch, [])
-        store.create_batch(batch, lines)
+            return store.create_batch(batch, [], owner)
+        store.create_batch(batch, lines, owner)
         runner.start(batch["id"])
         return store.batch(batch["id"])
 
     @router.get("/v1/batches")
-    async def list_batches(limit: int = 20, after: str | None = None, _=Depends(batch_key)) -> dict:
+    async def list_batches(limit: int = 20, after: str | None = None, owner: str = Depends(batch_owner)) -> dict:
         if not 1 <= limit <= 100:
             raise APIError(400, "limit must be between 1 and 100", param="limit")
-        batches = store.batches()
+        batches = store.batches(owner)
         if after is not None:
             ids = [b["id"] for b in batches]
             batches = batches[ids.index(after) + 1:] if after in ids else []
@@ -102,12 +116,12 @@ def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> AP
                 "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
 
     @router.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str, _=Depends(batch_key)) -> dict:
-        return _batch(store, batch_id)
+    async def get_batch(batch_id: str, owner: str = Depends(batch_owner)) -> dict:
+        return _batch(store, batch_id, owner)
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(batch_id: str, _=Depends(batch_key)) -> dict:
-        batch = _batch(store, batch_id)
+    async def cancel(batch_id: str, owner: str = Depends(batch_owner)) -> dict:
+        batch = _batch(store, batch_id, owner)
         if batch["status"] not in ("validating", "in_progress"):
             raise APIError(409, f"cannot cancel a batch that is {batch['status']}")
         return await runner.cancel(batch_id)
@@ -115,15 +129,15 @@ def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> AP
     return router
 
 
-def _file(store: BatchStore, file_id: str) -> dict:
-    found = store.file(file_id)
+def _file(store: BatchStore, file_id: str, owner: str, param: str = "file_id") -> dict:
+    found = store.file(file_id, owner)
     if found is None:
-        raise APIError(404, f"no file with id {file_id!r}", param="file_id")
+        raise APIError(404, f"no file with id {file_id!r}", param=param)
     return found
 
 
-def _batch(store: BatchStore, batch_id: str) -> dict:
-    found = store.batch(batch_id)
+def _batch(store: BatchStore, batch_id: str, owner: str) -> dict:
+    found = store.batch(batch_id, owner)
     if found is None:
         raise APIError(404, f"no batch with id {batch_id!r}", param="batch_id")
     return found

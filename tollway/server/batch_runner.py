@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from tollway.server.batch_store import BatchStore, new_id
 from tollway.server.errors import APIError, error_body
 
-Complete = Callable[[str, dict], Awaitable[dict]]
+Complete = Callable[[str, dict, str], Awaitable[dict]]
 SWEEP = 10.0  # seconds between claim renewals
 LEASE = 3 * SWEEP  # a claim not renewed for this long has lost its server
 
@@ -27,7 +27,8 @@ _log = logging.getLogger(__name__)
 
 class BatchRunner:
     def __init__(self, store: BatchStore, complete: Complete, concurrency: int = 64):
-        """complete(url, body): the response body of one line, or raises APIError."""
+        """complete(url, body, owner): the response body of one line, run as the request of the
+        key that owns the batch (batch_store.owner), or raises APIError."""
         self.store, self.complete, self.concurrency = store, complete, concurrency
         self.owner = uuid.uuid4().hex  # this server, in the claims it holds
         self._tasks: dict[str, asyncio.Task] = {}
@@ -91,11 +92,12 @@ class BatchRunner:
         if batch["status"] == "validating":
             self.store.update(batch_id, status="in_progress", in_progress_at=int(time.time()))
         gate = asyncio.Semaphore(self.concurrency)
+        owner = self.store.owner(batch_id)
 
         async def line(line_no: int, custom_id: str, url: str, body: dict) -> None:
             async with gate:
                 try:
-                    response = await self.complete(url, body)
+                    response = await self._complete_within_limits(url, body, owner)
                     result = {"status_code": 200, "request_id": response.get("id"), "body": response}
                     self.store.record(batch_id, line_no, True, _line(custom_id, result, None))
                 except APIError as e:
@@ -117,6 +119,17 @@ class BatchRunner:
             self._finish(batch_id, "expired")
             return
         self._finish(batch_id, "completed")
+
+    async def _complete_within_limits(self, url: str, body: dict, owner: str) -> dict:
+        """A line refused by its key's rate limit waits for room and goes again: a batch is
+        throttled to the key's rate, not failed by it."""
+        while True:
+            try:
+                return await self.complete(url, body, owner)
+            except APIError as e:
+                if e.code != "rate_limit_exceeded" or "Retry-After" not in (e.headers or {}):
+                    raise  # one that could never fit has no Retry-After
+                await asyncio.sleep(int(e.headers["Retry-After"]))
 
     def _finish_if_cancelling(self, batch_id: str) -> bool:
         if self.store.batch(batch_id)["status"] != "cancelling":

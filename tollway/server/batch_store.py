@@ -1,5 +1,6 @@
 """The Batch API's durable state: uploaded files, and every batch and batch line, in a SQLite
-file (the default) or the fleet's PostgreSQL database (tollway/storage).
+file (the default) or the fleet's PostgreSQL database (tollway/storage). Each file and batch
+belongs to the API key that made it (its owner: keys.owner_of), and is seen only by that key.
 
 Each line's result is committed on its own as it completes (ignored if the line already has
 one), and output files are only assembled from those rows at the end. A server killed at any
@@ -28,6 +29,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
 CREATE TABLE IF NOT EXISTS batch_results (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, ok INTEGER NOT NULL, line TEXT NOT NULL,
     PRIMARY KEY (batch_id, line_no));
+CREATE TABLE IF NOT EXISTS owners (  -- a table of its own: stores made before owners need no migration
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL);  -- a file's or batch's id; no row: the open server's ("")
 CREATE TABLE IF NOT EXISTS batch_claims (  -- which server runs a job, while it keeps renewing
     batch_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 """
@@ -49,21 +52,33 @@ class BatchStore:
 
     # ---- files --------------------------------------------------------------------------
 
-    def add_file(self, filename: str, purpose: str, data: bytes) -> dict:
+    def add_file(self, filename: str, purpose: str, data: bytes, owner: str = "") -> dict:
+        """`owner`: keys.owner_of the key uploading it ("": the open server's)."""
         file_id = new_id("file")
         with self.database.transaction() as db:
             db.execute("INSERT INTO file_contents VALUES (?, ?)", (file_id, data))
             db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", (file_id, filename, purpose, len(data), int(time.time())))
-        return self.file(file_id)
+            db.execute("INSERT INTO owners VALUES (?, ?)", (file_id, owner))
+        return self.file(file_id, owner)
 
-    def file(self, file_id: str) -> dict | None:
-        rows = self.database.query("SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?", (file_id,))
+    def file(self, file_id: str, owner: str) -> dict | None:
+        """The file, if `owner` has one of that id."""
+        rows = self.database.query(f"{_FILES} WHERE f.id = ? AND {_OWNED}", (file_id, owner))
         return _file_object(rows[0]) if rows else None
 
-    def files(self, purpose: str | None = None) -> list[dict]:
-        where, args = ("WHERE purpose = ?", (purpose,)) if purpose is not None else ("", ())
-        rows = self.database.query(f"SELECT id, filename, purpose, bytes, created_at FROM files {where} "
-                                   "ORDER BY created_at, id", args)
+    def files(self, owner: str, purpose: str | None, after: dict | None, limit: int, newest_first: bool) -> list[dict]:
+        """A page of `owner`'s files: up to `limit` past the file `after`, by creation time."""
+        where, args = [_OWNED], [owner]
+        if purpose is not None:
+            where.append("f.purpose = ?")
+            args.append(purpose)
+        if after is not None:  # keyset paging on (created_at, id): stable while files come and go
+            past = "<" if newest_first else ">"
+            where.append(f"(f.created_at {past} ? OR (f.created_at = ? AND f.id {past} ?))")
+            args += [after["created_at"], after["created_at"], after["id"]]
+        order = "DESC" if newest_first else "ASC"
+        rows = self.database.query(f"{_FILES} WHERE {' AND '.join(where)} ORDER BY f.created_at {order}, f.id {order} "
+                                   "LIMIT ?", (*args, limit))
         return [_file_object(r) for r in rows]
 
     def file_content(self, file_id: str) -> bytes:
@@ -72,6 +87,7 @@ class BatchStore:
     def delete_file(self, file_id: str) -> bool:
         with self.database.transaction() as db:
             db.execute("DELETE FROM file_contents WHERE id = ?", (file_id,))
+            db.execute("DELETE FROM owners WHERE id = ?", (file_id,))
             return bool(db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount)
 
     def _adopt_files(self, folder: Path) -> None:
@@ -87,27 +103,37 @@ class BatchStore:
 
     # ---- batches ------------------------------------------------------------------------
 
-    def create_batch(self, batch: dict, lines: list[tuple[str, str, dict]]) -> dict:
+    def create_batch(self, batch: dict, lines: list[tuple[str, str, dict]], owner: str = "") -> dict:
         """Store a new batch object and its lines (custom_id, url, body) in one transaction."""
         with self.database.transaction() as db:
             db.execute("INSERT INTO batches VALUES (?, ?)", (batch["id"], json.dumps(batch)))
+            db.execute("INSERT INTO owners VALUES (?, ?)", (batch["id"], owner))
             db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, ?)",
                            [(batch["id"], i, cid, url, json.dumps(body)) for i, (cid, url, body) in enumerate(lines)])
         return batch
 
-    def batch(self, batch_id: str) -> dict | None:
-        rows = self.database.query("SELECT body FROM batches WHERE id = ?", (batch_id,))
+    def batch(self, batch_id: str, owner: str | None = None) -> dict | None:
+        """The batch; with `owner`, only if it is theirs."""
+        rows = self.database.query(f"SELECT body FROM batches f WHERE f.id = ?"
+                                   f"{'' if owner is None else f' AND {_OWNED}'}",
+                                   (batch_id,) if owner is None else (batch_id, owner))
         if not rows:
             return None
         batch = json.loads(rows[0][0])
         batch["request_counts"] = self._counts(batch_id, batch["request_counts"]["total"])
         return batch
 
-    def batches(self) -> list[dict]:
-        """Newest first."""
-        bodies = [json.loads(body) for (body,) in self.database.query("SELECT body FROM batches")]
+    def batches(self, owner: str = "") -> list[dict]:
+        """`owner`'s, newest first."""
+        bodies = [json.loads(body) for (body,) in self.database.query(f"SELECT body FROM batches f WHERE {_OWNED}",
+                                                                       (owner,))]
         bodies.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
         return [self.batch(b["id"]) for b in bodies]
+
+    def owner(self, object_id: str) -> str:
+        """Who made a file or batch: the key whose lines a batch runs as."""
+        rows = self.database.query("SELECT owner FROM owners WHERE id = ?", (object_id,))
+        return rows[0][0] if rows else ""
 
     def update(self, batch_id: str, **fields) -> dict:
         with self.database.transaction() as db:
@@ -158,9 +184,15 @@ class BatchStore:
                                    (batch_id,))
         out = [line for ok, line in rows if ok]
         err = [line for ok, line in rows if not ok]
-        output = self.add_file(f"{batch_id}_output.jsonl", "batch_output", _jsonl(out))["id"] if out else None
-        error = self.add_file(f"{batch_id}_error.jsonl", "batch_output", _jsonl(err))["id"] if err else None
+        owner = self.owner(batch_id)
+        output = self.add_file(f"{batch_id}_output.jsonl", "batch_output", _jsonl(out), owner)["id"] if out else None
+        error = self.add_file(f"{batch_id}_error.jsonl", "batch_output", _jsonl(err), owner)["id"] if err else None
         return output, error
+
+
+# A file's columns, and the condition that the object aliased f belongs to the owner given.
+_FILES = "SELECT f.id, f.filename, f.purpose, f.bytes, f.created_at FROM files f"
+_OWNED = "COALESCE((SELECT o.owner FROM owners o WHERE o.id = f.id), '') = ?"
 
 
 def _jsonl(lines: list[str]) -> bytes:

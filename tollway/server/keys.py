@@ -28,6 +28,12 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def owner_of(key: KeySpec | None) -> str:
+    """Whose a Batch API file or batch is: the key's SHA-256, as the key store names it ("": the
+    open server's, one owner for every caller)."""
+    return _digest(key.key) if key is not None else ""
+
+
 class KeyDatabase:
     """The store of keys (`tollway keys add/list/revoke`)."""
 
@@ -52,8 +58,13 @@ class KeyDatabase:
         return [{"name": n, "tiers": json.loads(t), "rpm": rpm, "tpm": tpm, "created": c} for n, t, rpm, tpm, c in rows]
 
     def lookup(self, key: str) -> KeySpec | None:
-        rows = self.database.query("SELECT name, tiers, rpm, tpm FROM keys WHERE sha256 = ?", (_digest(key),))
-        return KeySpec(key, rows[0][0], json.loads(rows[0][1]), rows[0][2], rows[0][3]) if rows else None
+        found = self.lookup_digest(_digest(key))
+        return KeySpec(key, found.name, found.tiers, found.rpm, found.tpm) if found else None
+
+    def lookup_digest(self, digest: str) -> KeySpec | None:
+        """The key whose SHA-256 is `digest`, with its secret (which only the caller knows) left empty."""
+        rows = self.database.query("SELECT name, tiers, rpm, tpm FROM keys WHERE sha256 = ?", (digest,))
+        return KeySpec("", rows[0][0], json.loads(rows[0][1]), rows[0][2], rows[0][3]) if rows else None
 
     def count(self) -> int:
         return self.database.query("SELECT COUNT(*) FROM keys")[0][0]
@@ -106,9 +117,17 @@ class Gatekeeper:
         raise APIError(403, f"this API key may not use the {tier} lane (service_tier={wire!r}); it may use: {allowed}",
                        param="service_tier", code="tier_not_allowed")
 
-    def admit(self, key: KeySpec | None, tokens: int) -> dict[str, str]:
+    def key_of(self, owner: str) -> KeySpec | None:
+        """The key a Batch API owner (owner_of) names, if it still exists; None for the open server's."""
+        if not owner:
+            return None
+        configured = next((k for k in self._keys.values() if owner_of(k) == owner), None)
+        return configured or (self.database.lookup_digest(owner) if self.database else None)
+
+    def admit(self, key: KeySpec | None, tokens: int, owner: str | None = None) -> dict[str, str]:
         """Count a request of `tokens` against the key's limits, or refuse it with 429. Returns
-        the x-ratelimit-* headers of what the key has left (none for a key without limits)."""
+        the x-ratelimit-* headers of what the key has left (none for a key without limits).
+        `owner`: the key's owner_of, for a key found by key_of (which may not know its secret)."""
         if key is None or not key.limited:
             return {}
-        return self._limits.admit(_digest(key.key), key.rpm, key.tpm, tokens).headers()
+        return self._limits.admit(owner or owner_of(key), key.rpm, key.tpm, tokens).headers()

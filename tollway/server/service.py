@@ -52,10 +52,11 @@ class Service:
     def validate(self, req, tags_header: str | None = None) -> Submission:
         return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
 
-    async def start(self, sub: Submission, tier: str, key: KeySpec | None,
-                    call: str | None) -> tuple[Generation, dict[str, str]]:
+    async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None,
+                    owner: str | None = None) -> tuple[Generation, dict[str, str]]:
         """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a
-        fleet's ingress gave it. Returns the call and the x-ratelimit-* headers of its key."""
+        fleet's ingress gave it; `owner`: the key's, when it came from Gatekeeper.key_of.
+        Returns the call and the x-ratelimit-* headers of its key."""
         meter = self.meter
         gen = Generation(sub.kind, self.model_name, tier, call)
         gen.key, gen.tags = key.name if key else "", sub.tags
@@ -71,7 +72,8 @@ class Service:
         limits = {}
         try:
             if key is not None and key.limited:  # a transaction in the key store's database: off the event loop
-                limits = await asyncio.to_thread(self.gatekeeper.admit, key, sub.prompt_tokens + sub.most_output_tokens)
+                limits = await asyncio.to_thread(self.gatekeeper.admit, key, sub.prompt_tokens + sub.most_output_tokens,
+                                                 owner)
             if meter is not None:
                 gen.metered = True
                 meter.watch(ids)
@@ -119,10 +121,14 @@ class Service:
             self.withdraw(gen)
         return gen.envelope([final_choice(gen, c, echo, self.tokenizer) for c in gen.choices], usage=gen.usage())
 
-    async def complete_in_batch_lane(self, url: str, body: dict) -> dict:
-        """One Batch API line: what POST `url` with `body` would return, run in the batch lane."""
+    async def complete_in_batch_lane(self, url: str, body: dict, owner: str) -> dict:
+        """One Batch API line: what POST `url` with `body` would return, run in the batch lane as
+        a request of the key that owns the batch: metered, budgeted and rate-limited as its own."""
+        key = await asyncio.to_thread(self.gatekeeper.key_of, owner)
+        if owner and key is None:
+            raise APIError(401, "the API key that created this batch has been revoked", code="invalid_api_key")
         sub = self.validate(batch_line(url, body))
-        gen, _ = await self.start(sub, "batch", None, None)
+        gen, _ = await self.start(sub, "batch", key, None, owner)
         return await self.collect(gen, sub.echo)
 
 
