@@ -69,7 +69,8 @@ def test_chat_streams_and_not(client):
     assert chunks[-1].object == "chat.completion.chunk"
 
 
-@pytest.mark.parametrize("wire, served", [("priority", "priority"), ("fast", "priority"), ("flex", "flex"),
+@pytest.mark.parametrize("wire, served", [("priority", "priority"), ("scale", "priority"), ("fast", "priority"),
+                                          ("flex", "flex"),
                                           ("auto", "default"), ("default", "default")])
 def test_service_tier_picks_the_lane_and_is_reported(server, client, wire, served):
     messages = [{"role": "user", "content": "Hi"}]
@@ -82,6 +83,22 @@ def test_service_tier_picks_the_lane_and_is_reported(server, client, wire, serve
     # The legacy completions call has no service_tier argument in the client; the field still works.
     legacy = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"service_tier": wire})
     assert legacy.service_tier == served
+
+
+def test_cached_tokens_come_from_the_prefix_cache(client):
+    prompt = "A long shared preamble about rivers and their deltas. " * 12  # several KV blocks
+    first = client.completions.create(model=MODEL, prompt=prompt + "First:", max_tokens=1, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt + "Second:", max_tokens=1, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks of the shared part
+    assert first.usage.prompt_tokens_details.cached_tokens < cached  # the preamble was new the first time
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=1, stream=True, stream_options={"include_usage": True}))
+    chunks_again = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks_again[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert chunks[-1].usage.prompt_tokens == chunks_again[-1].usage.prompt_tokens
 
 
 def test_n_choices_seeds_and_logprobs(client):

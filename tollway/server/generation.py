@@ -149,10 +149,21 @@ class Generation:
         finally:
             self.abort()
 
+    def scheduled_prompts(self) -> dict[int, RequestOutput]:
+        """Per prompt that any of its choices was scheduled for, the first such choice's output:
+        a prompt counts once, however many choices; one aborted while it waited used nothing."""
+        ran: dict[int, RequestOutput] = {}
+        for c in self.choices:
+            if c.output is not None and c.output.first_scheduled_time is not None:
+                ran.setdefault(c.index // self.n, c.output)
+        return ran
+
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)  # once per prompt, however many choices
         completion = sum(c.num_tokens for c in self.choices)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.num_cached_prompt_tokens for o in self.scheduled_prompts().values())  # prefix-cache hits
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         if self.cost is not None:
             usage |= {"cost": self.cost, "price": self.price, "engine_seconds": self.engine_seconds}
         return usage
@@ -176,12 +187,7 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
     """The ledger's row for a finished (or abandoned) API call: every choice summed."""
     outs = [c.output for c in gen.choices if c.output is not None]
     completion = sum(c.num_tokens for c in gen.choices)
-    # A prompt is billed once any of its choices was scheduled; one aborted while it waited
-    # used nothing. Once per prompt, however many choices: the first scheduled one counts.
-    ran: dict[int, RequestOutput] = {}
-    for c in gen.choices:
-        if c.output is not None and c.output.first_scheduled_time is not None:
-            ran.setdefault(c.index // gen.n, c.output)
+    ran = gen.scheduled_prompts()  # a prompt is billed once any of its choices was scheduled
     prompt = sum(len(gen.prompts[p]) for p in ran)
     cached = sum(o.num_cached_prompt_tokens for o in ran.values())
     arrival = min((o.arrival_time for o in outs), default=None)
