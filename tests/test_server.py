@@ -14,7 +14,10 @@ from tollway.config import KeySpec
 from tollway.server.keys import Gatekeeper, KeyDatabase
 from tollway.server.metrics import Metrics
 
-from live_server import MODEL, running_server
+from tollway.async_engine import AsyncEngine
+from tollway.server.app import create_app
+
+from live_server import MODEL, running_server, serving
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +302,29 @@ def test_keys_from_the_database(keyed_server):
     assert _post(keyed_server, key).status_code == 403  # standard is not among its tiers
     database.revoke("carol")
     assert _post(keyed_server, key).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def chatty_server(make_engine):
+    """Keep-alive comments after 50 ms of silence."""
+    engine = AsyncEngine(make_engine(kernel="int8", num_blocks=256))
+    yield from serving(create_app(engine, MODEL, keep_alive=0.05))
+    engine.shutdown()
+
+
+def test_a_waiting_stream_sends_keep_alive_comments(chatty_server):
+    # A long prompt: its prefill keeps the stream silent for far longer than 50 ms.
+    body = {"prompt": "The rivers of Europe, from west to east, are " * 60, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", chatty_server + "/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+    data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
+    assert comments and set(lines[i] for i in comments) == {": keep-alive"}
+    assert comments[0] < data[0]  # while it waited for its first token
+    assert len(data) == 4 and lines[data[-1]] == "data: [DONE]" and len(comments) + len(data) == len(lines)
+    with openai.OpenAI(base_url=chatty_server + "/v1", api_key="unused") as client:  # which clients skip
+        chunks = list(client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=3, stream=True))
+    assert len(chunks) == 3 and all(c.choices[0].text is not None for c in chunks)
 
 
 @pytest.fixture(scope="module")

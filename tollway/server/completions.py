@@ -1,5 +1,6 @@
 """POST /v1/completions and /v1/chat/completions: a body checked (validation.py) becomes a
-Generation in the lane the key may use, answered whole or as server-sent events.
+Generation in the lane the key may use, answered whole or as server-sent events (kept alive
+while they wait: keep_alive.py).
 
 A client that hangs up has its request withdrawn (aborted in the engine, billed for what ran)
 wherever it was: being admitted, queued, running, or streaming."""
@@ -16,6 +17,7 @@ from tollway.server.call_ids import trusted_call_id
 from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
 from tollway.server.errors import APIError
 from tollway.server.generation import Generation
+from tollway.server.keep_alive import with_keep_alive
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.responses import chunk_choice, event
 from tollway.server.service import Service, caller, service
@@ -58,8 +60,9 @@ async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest,
     headers["x-request-id"] = gen.id
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return ClosingStreamingResponse(_events(svc, gen, include_usage, sub.echo), lambda: svc.withdraw(gen),
-                                        media_type="text/event-stream", headers=headers)
+        events = with_keep_alive(_events(svc, gen, include_usage, sub.echo), svc.keep_alive)
+        return ClosingStreamingResponse(events, lambda: svc.withdraw(gen), media_type="text/event-stream",
+                                        headers=headers)
     body = await svc.collect(gen, sub.echo)
     if svc.meter is not None:
         headers["x-tollway-cost"] = f"{body['usage']['cost']:.10f}"

@@ -16,6 +16,7 @@ from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
 from tollway.server.errors import APIError
 from tollway.server.generation import Generation, ledger_row
+from tollway.server.keep_alive import DEFAULT_INTERVAL
 from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
@@ -28,9 +29,10 @@ from tollway.storage.database import Database
 class Service:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                  gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
-                 meter: Meter | None = None, fleet_secret: str | None = None):
+                 meter: Meter | None = None, fleet_secret: str | None = None, keep_alive: float = DEFAULT_INTERVAL):
         """See create_app (app.py) for what each is."""
         self.engine, self.model_name, self.metrics, self.meter = engine, model_name, metrics, meter
+        self.keep_alive = keep_alive
         self.gatekeeper = gatekeeper or Gatekeeper([])
         self.fleet_secret = fleet_secret
         if meter is not None:
