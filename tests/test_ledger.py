@@ -146,3 +146,52 @@ def test_parse_time():
     assert parse_time(None, "start") is None
     with pytest.raises(ValueError, match="finite"):
         parse_time("nan", "start")
+
+
+def test_money_sums_exactly(store_target):
+    """Ten requests at 10 cents are a dollar: summed as floats they were 0.9999999999999999."""
+    ledger = Ledger(store_target)
+    for i in range(10):
+        ledger.record(row(f"r{i}", price=0.1, seconds=0.1, price_per_second=1.0))
+    [standard] = ledger.usage("tier")
+    assert (standard["price"], standard["cost"]) == (1.0, 1.0)
+    with ledger.database.connect() as db:
+        assert Ledger.spent(db, "key", "alice", 0, 2000) == 1.0
+    # A token at $0.05 per million is 50 nano-dollars: kept, not rounded away.
+    ledger.record(row("tiny", tier="batch", price=0.05e-6))
+    batch = ledger.usage("tier")[0]
+    assert (batch["tier"], batch["price"]) == ("batch", 5e-8)
+
+
+# The ledger's table as tollway wrote it before money was exact: dollars as floats.
+_FLOAT_MONEY_SCHEMA = """
+CREATE TABLE requests (id TEXT PRIMARY KEY, created REAL NOT NULL, key TEXT NOT NULL, tier TEXT NOT NULL,
+    model TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL, queue_seconds REAL, ttft_seconds REAL, e2e_seconds REAL NOT NULL,
+    engine_seconds REAL NOT NULL, cost REAL NOT NULL, price REAL NOT NULL, finish_reason TEXT, tags TEXT NOT NULL);
+CREATE INDEX requests_created ON requests(created);
+CREATE INDEX requests_key ON requests(key, created);
+CREATE TABLE request_tags (request_id TEXT NOT NULL REFERENCES requests(id), tag TEXT NOT NULL,
+    PRIMARY KEY (request_id, tag));
+"""
+
+
+def test_a_ledger_with_float_money_is_migrated(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript(_FLOAT_MONEY_SCHEMA)
+    old.execute("INSERT INTO requests VALUES ('a', 100, 'alice', 'fast', 'm', 10, 20, 0, 0.01, 0.1, 1.0, 2.0, "
+                "0.000694, 0.0123, 'stop', '[\"team=x\"]')")
+    old.execute("INSERT INTO request_tags VALUES ('a', 'team=x')")
+    old.commit()
+    old.close()
+    ledger = Ledger(path)
+    [a] = ledger.rows()
+    assert (a.id, a.cost, a.price, a.tags, a.engine_seconds) == ("a", 0.000694, 0.0123, ["team=x"], 2.0)
+    ledger.record(row("b", price=0.01))
+    ledger.close()
+    reopened = Ledger(path)  # migrated once; opening again changes nothing
+    assert [(r.id, r.price) for r in reopened.rows()] == [("a", 0.0123), ("b", 0.01)]
+    assert reopened.usage("key")[0]["price"] == 0.0223
+    columns = [c[1] for c in sqlite3.connect(path).execute("PRAGMA table_info(requests)")]
+    assert "cost" not in columns and "price_nanos" in columns

@@ -17,6 +17,10 @@ from pathlib import Path
 from tollway.storage.database import Connection, Database, as_database
 
 GROUPS = ("key", "tier", "tag", "model")
+# Money is stored as integer nano-dollars, so sums are exact. Not micro-dollars: a token at
+# $0.05 per million costs 0.05 of one.
+NANOS = 10**9
+MONEY = ("cost", "price")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -32,8 +36,8 @@ CREATE TABLE IF NOT EXISTS requests (
     ttft_seconds REAL,
     e2e_seconds REAL NOT NULL,
     engine_seconds REAL NOT NULL,     -- attributed engine time
-    cost REAL NOT NULL,               -- engine_seconds x the machine's price
-    price REAL NOT NULL,              -- billed from the price card
+    cost_nanos BIGINT NOT NULL,       -- engine_seconds x the machine's price, in nano-dollars
+    price_nanos BIGINT NOT NULL,      -- billed from the price card, in nano-dollars
     finish_reason TEXT,
     tags TEXT NOT NULL                -- JSON list, also in request_tags
 );
@@ -80,6 +84,18 @@ class Ledger:
         """`target`: a Database, a postgresql:// URL, or a SQLite file's path."""
         self.database = as_database(target)
         self.database.create_schema(_SCHEMA)
+        self._migrate_float_money()
+
+    def _migrate_float_money(self) -> None:
+        """Ledgers written before money was exact kept dollars as floats in `cost` and `price`:
+        convert them to nano-dollars once, in one transaction (the first server to start does)."""
+        with self.database.schema_transaction() as db:
+            if "cost" not in db.columns("requests"):
+                return
+            for name in MONEY:
+                db.execute(f"ALTER TABLE requests ADD COLUMN {name}_nanos BIGINT NOT NULL DEFAULT 0")
+                db.execute(f"UPDATE requests SET {name}_nanos = CAST(ROUND({name} * {NANOS}) AS BIGINT)")
+                db.execute(f"ALTER TABLE requests DROP COLUMN {name}")
 
     def record(self, row: LedgerRow) -> None:
         """Insert the row and its tags in one transaction, durable when this returns."""
@@ -91,6 +107,8 @@ class Ledger:
         """Insert the row and its tags in the caller's transaction."""
         values = asdict(row)
         values["tags"] = json.dumps(row.tags)
+        for name in MONEY:
+            values[f"{name}_nanos"] = round(values.pop(name) * NANOS)
         db.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
                    list(values.values()))
         db.executemany("INSERT INTO request_tags VALUES (?, ?)", [(row.id, t) for t in dict.fromkeys(row.tags)])
@@ -105,6 +123,8 @@ class Ledger:
         out = []
         for values in self._dicts(f"SELECT * FROM requests {where} ORDER BY created", args):
             values["tags"] = json.loads(values["tags"])
+            for name in MONEY:
+                values[name] = values.pop(f"{name}_nanos") / NANOS
             out.append(LedgerRow(**values))
         return out
 
@@ -122,11 +142,13 @@ class Ledger:
         column = "t.tag" if group_by == "tag" else f"r.{group_by}"
         query = (f"SELECT {column} AS grp, COUNT(*) AS requests, SUM(r.prompt_tokens) AS prompt_tokens, "
                  f"SUM(r.completion_tokens) AS completion_tokens, SUM(r.cached_tokens) AS cached_tokens, "
-                 f"SUM(r.engine_seconds) AS engine_seconds, SUM(r.cost) AS cost, SUM(r.price) AS price "
+                 f"SUM(r.engine_seconds) AS engine_seconds, SUM(r.cost_nanos) AS cost, SUM(r.price_nanos) AS price "
                  f"FROM {source} {where} GROUP BY grp ORDER BY grp")
         out = []
         for r in self._dicts(query, args):
             row = {group_by: r.pop("grp"), **r}
+            for name in MONEY:
+                row[name] = int(row[name]) / NANOS  # an exact integer sum (PostgreSQL's is NUMERIC)
             row["margin"] = row["price"] - row["cost"]
             out.append(row)
         return out
@@ -135,11 +157,11 @@ class Ledger:
     def spent(db: Connection, scope: str, name: str, start: float, end: float) -> float:
         """Billed dollars in [start, end) for one key (by name) or one tag."""
         if scope == "key":
-            query = "SELECT SUM(price) FROM requests WHERE key = ? AND created >= ? AND created < ?"
+            query = "SELECT SUM(price_nanos) FROM requests WHERE key = ? AND created >= ? AND created < ?"
         else:
-            query = ("SELECT SUM(r.price) FROM requests r JOIN request_tags t ON t.request_id = r.id "
+            query = ("SELECT SUM(r.price_nanos) FROM requests r JOIN request_tags t ON t.request_id = r.id "
                      "WHERE t.tag = ? AND r.created >= ? AND r.created < ?")
-        return db.execute(query, (name, start, end)).fetchone()[0] or 0.0
+        return int(db.execute(query, (name, start, end)).fetchone()[0] or 0) / NANOS
 
     def claim_alert(self, budget: str, period_start: float, threshold: float, now: float) -> bool:
         """True the first time this alert is claimed for this period (across restarts and servers)."""

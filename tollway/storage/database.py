@@ -53,6 +53,10 @@ class Connection:
         else:
             self.raw.executemany(sql, rows)
 
+    def columns(self, table: str) -> list[str]:
+        """The table's column names, as they are now."""
+        return [d[0] for d in self.execute(f"SELECT * FROM {table} LIMIT 0").description]
+
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s") if self.postgres else sql
 
@@ -132,10 +136,17 @@ class Database:
                 db.raw.executescript(ddl)
             return
         ddl = re.sub(r"\b(REAL|BLOB)\b", lambda m: _POSTGRES_TYPES[m[1]], ddl)
-        # Concurrent CREATE TABLE IF NOT EXISTS can still collide in PostgreSQL's catalog.
-        with self.transaction() as db:
-            db.execute(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
+        with self.schema_transaction() as db:
             db.raw.execute(ddl)
+
+    @contextmanager
+    def schema_transaction(self) -> Iterator[Connection]:
+        """A transaction that changes tables: one server at a time, so that servers starting
+        together neither collide in PostgreSQL's catalog nor migrate a table twice."""
+        with self.transaction() as db:
+            if self.postgres:
+                db.execute(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
+            yield db
 
     def close(self) -> None:
         """Close the idle connections; those in use close when handed back."""
