@@ -36,7 +36,8 @@ from tollway.server.errors import APIError
 from tollway.server.service_tier import tier_for
 
 _FORWARD = ("authorization", "content-type", "x-tollway-tags")
-_RETURN = ("content-type", "x-tollway-cost", "retry-after")
+_RETURN = ("content-type", "x-tollway-cost", "retry-after", "x-request-id", "x-should-retry",
+           *(f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")))
 # A chat request without max_tokens may run to the context's end; the router guesses this.
 _UNSPECIFIED_MAX_TOKENS = 256
 
