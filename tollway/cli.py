@@ -51,6 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int,
                        help="run N engines as a Ray Serve deployment behind the tier-aware router (needs tollway[ray])")
     serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
+    serve.add_argument("--sse-keep-alive", type=float, metavar="SECONDS",
+                       help="send a stream that has been silent this long a keep-alive comment (default 15)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                        help="uvicorn's log level; at info and below, every request is logged (the access log)")
     add_engine_arguments(serve)
@@ -238,7 +240,8 @@ def _serve(args) -> int:
 
     server = load_server_config(args.config) if args.config else ServerConfig()
     for value, name in ((args.host, "host"), (args.port, "port"), (args.served_model_name, "served_model_name"),
-                        (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url")):
+                        (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url"),
+                        (args.sse_keep_alive, "sse_keep_alive")):
         if value is not None:
             setattr(server, name, value)
     server.keys += [KeySpec(key) for key in args.api_key + api_keys_from_environment()]
@@ -261,7 +264,8 @@ def _serve(args) -> int:
         print(f"tollway: serving {name} on http://{server.host}:{server.port}/v1 "
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
-        uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter), host=server.host,
+        uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter,
+                               keep_alive=server.sse_keep_alive), host=server.host,
                     port=server.port, log_level=args.log_level, access_log=args.log_level in ("debug", "trace", "info"))
     finally:
         engine.shutdown()

@@ -285,6 +285,9 @@ class ServerConfig:
     data_dir: str | None = None  # Batch API files, jobs and the ledger; None: under the user's data directory
     # postgresql://...: keys, the ledger, budgets and Batch API jobs in one database a fleet shares
     database_url: str | None = None
+    # Seconds a stream may go silent (queued, or between tokens) before it sends an SSE
+    # keep-alive comment: under the 60 s idle timeout of most proxies.
+    sse_keep_alive: float = 15.0
     meter: MeterConfig = field(default_factory=MeterConfig)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from tollway.config import ServerConfig
+
 COMMENT = ": keep-alive\n\n"
-DEFAULT_INTERVAL = 15.0  # seconds; well under the 60 s idle timeout of nginx and most load balancers
+DEFAULT_INTERVAL = ServerConfig.sse_keep_alive  # [server] sse_keep_alive, --sse-keep-alive
 
 
 async def with_keep_alive(events: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
