@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from tollway.request import SamplingParams
 from tollway.config import KeySpec
@@ -130,6 +131,19 @@ def test_every_response_has_a_request_id(server, client):
     assert len(ids) == 3 and all(i.startswith("req_") for i in ids)  # fresh ones, errors too
     given = httpx.get(server["url"] + "/v1/models", headers={"x-request-id": "trace-42"})
     assert given.headers["x-request-id"] == "trace-42"  # the client's own is echoed
+
+
+def test_an_internal_error_has_a_request_id_too(server):
+    app = create_app(server["engine"], MODEL)
+
+    def boom():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)  # Starlette answers an unhandled error outside every middleware
+    with TestClient(app, raise_server_exceptions=False) as local:
+        r = local.get("/boom", headers={"x-request-id": "trace-500"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert r.headers["x-request-id"] == "trace-500" and "a bug" not in r.text  # nothing leaks
 
 
 def test_models_and_health(server, client):

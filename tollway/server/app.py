@@ -80,6 +80,8 @@ class RequestIds:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"x-request-id", b"")
         request_id = given.decode() if self._CLIENT_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+        # For the 500 handler (errors.py), which Starlette runs outside every middleware.
+        scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -54,5 +54,7 @@ def install(app: FastAPI) -> None:
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)  # app.RequestIds' (this runs outside it)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500,
+                            headers={"x-request-id": request_id} if request_id else None)
