@@ -57,6 +57,11 @@ class PostgresServer:
                    f"-c max_connections=300")
         self._run("pg_ctl", "-D", self.data, "-l", self.root / "server.log", "-w", "-t", "60", "-o", options, "start")
 
+    def restart(self) -> None:
+        """Stop at once, cutting every connection as a crash would, and start again."""
+        self._run("pg_ctl", "-D", self.data, "-l", self.root / "server.log", "-m", "immediate", "-w", "-t", "60",
+                  "restart")
+
     def stop(self) -> None:
         self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -136,7 +136,7 @@ def test_without_psycopg_the_cli_says_what_to_install(tmp_path):
     done = subprocess.run([sys.executable, "-c", blocked, "keys", "list", "--database-url", "postgresql:///x"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr == ("tollway: error: a postgresql:// database needs psycopg: "
+    assert done.stderr == ("tollway: error: a postgresql:// database needs psycopg and psycopg_pool: "
                            "pip install 'tollway[postgres]'\n")
 
 
@@ -195,3 +195,12 @@ def test_a_ledger_with_float_money_is_migrated(tmp_path):
     assert reopened.usage("key")[0]["price"] == 0.0223
     columns = [c[1] for c in sqlite3.connect(path).execute("PRAGMA table_info(requests)")]
     assert "cost" not in columns and "price_nanos" in columns
+
+
+def test_a_postgres_restart_does_not_fail_requests(postgres):
+    """The pooled connections die with the server; the pool checks each before handing it out."""
+    ledger = Ledger(postgres.new_database())
+    ledger.record(row("a"))
+    postgres.restart()
+    ledger.record(row("b"))
+    assert [r.id for r in ledger.rows()] == ["a", "b"]

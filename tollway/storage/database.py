@@ -6,7 +6,8 @@ few places the two differ are settled here: the parameter style, column types in
 a read-then-write transaction takes its lock. Connections are pooled: a thread takes one for a
 statement or a transaction and hands it back. One that raised is closed, never reused, so a
 broken connection or a half-done transaction (rolled back by the close) cannot leak into the
-next caller.
+next caller. PostgreSQL's pool is psycopg_pool's, which checks a connection is alive before
+handing it out: after the database restarts, requests get fresh connections, not dead ones.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
-_IDLE = 8  # connections kept open between uses; more are opened under load and closed after
+_IDLE = 8  # SQLite: connections kept open between uses; more are opened under load and closed after
+# PostgreSQL: connections per server at most (a fleet's servers share the database's
+# max_connections, 100 by default); a caller waits up to _WAIT seconds for one.
+_POSTGRES_CONNECTIONS = 32
+_WAIT = 30.0
 # PostgreSQL's REAL is 4 bytes (SQLite's is 8: dollars and seconds need them); BLOB is BYTEA there.
 _POSTGRES_TYPES = {"REAL": "DOUBLE PRECISION", "BLOB": "BYTEA"}
 _SCHEMA_LOCK = 0x7011_3A7  # advisory lock: servers starting together create the tables one at a time
@@ -69,11 +74,18 @@ class Database:
         if self.postgres:
             try:
                 import psycopg
+                import psycopg_pool
             except ImportError:
-                raise ValueError("a postgresql:// database needs psycopg: pip install 'tollway[postgres]'") from None
+                raise ValueError("a postgresql:// database needs psycopg and psycopg_pool: "
+                                 "pip install 'tollway[postgres]'") from None
             self._psycopg = psycopg
             self.url = str(target)
             self.location = _redacted(self.url)
+            self._probe()  # the reason, in one line, when the database cannot be reached
+            self._pool = psycopg_pool.ConnectionPool(
+                self.url, kwargs={"autocommit": True, "connect_timeout": 10}, min_size=1,
+                max_size=_POSTGRES_CONNECTIONS, timeout=_WAIT, check=psycopg_pool.ConnectionPool.check_connection,
+                open=True, name=f"tollway {self.location}")
         else:
             if isinstance(target, str) and "://" in target:
                 raise ValueError(f"a database must be a postgresql:// URL or a SQLite file's path, got {target!r}")
@@ -84,7 +96,8 @@ class Database:
         self._lock = threading.Lock()
         self._closed = False
         # Also when the Database is dropped unclosed: the server keeps no connection of a store gone.
-        self._close_idle = weakref.finalize(self, _close_idle, self._idle, self._lock)
+        self._close_idle = (weakref.finalize(self, self._pool.close) if self.postgres
+                            else weakref.finalize(self, _close_idle, self._idle, self._lock))
         with self.connect():  # fail now, with a clear message, rather than at the first request
             pass
 
@@ -94,12 +107,26 @@ class Database:
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection in autocommit mode: each statement commits on its own."""
+        if self.postgres:
+            from psycopg_pool import PoolTimeout
+
+            try:
+                with self._pool.connection() as raw:
+                    try:
+                        yield Connection(raw, True)
+                    except BaseException:
+                        raw.close()  # rolls back whatever it held; the pool opens another in its place
+                        raise
+            except PoolTimeout:
+                raise ValueError(f"cannot use the database {self.location}: no connection free within {_WAIT:g} s "
+                                 "(is it reachable?)") from None
+            return
         with self._lock:
             raw = self._idle.pop() if self._idle else None
         if raw is None:
             raw = self._open()
         try:
-            yield Connection(raw, self.postgres)
+            yield Connection(raw, False)
         except BaseException:
             raw.close()  # closing rolls back whatever it held
             raise
@@ -154,12 +181,13 @@ class Database:
             self._closed = True
         self._close_idle()
 
+    def _probe(self) -> None:
+        try:
+            self._psycopg.connect(self.url, autocommit=True, connect_timeout=10).close()
+        except self._psycopg.Error as e:
+            raise ValueError(f"cannot use the database {self.location}: {' '.join(str(e).split())}") from None
+
     def _open(self):
-        if self.postgres:
-            try:
-                return self._psycopg.connect(self.url, autocommit=True, connect_timeout=10)
-            except self._psycopg.Error as e:
-                raise ValueError(f"cannot use the database {self.location}: {' '.join(str(e).split())}") from None
         try:
             raw = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
             # WAL: readers never block the writer; FULL: a commit is on disk when it returns.
