@@ -152,9 +152,10 @@ def test_kv_pool_blocks_fill_the_budget():
 
 
 @pytest.mark.parametrize("given, model_limit, expected", [
-    (None, 32768, 2048 * 16), (None, 4096, 4096), (None, None, 2048 * 16), (100_000, 32768, 32768), (512, 32768, 512),
+    (None, 32768, 2048 * 16), (None, 4096, 4096), (100_000, 32768, 32768), (512, 32768, 512),
 ])
 def test_max_model_len_defaults_to_what_the_model_and_pool_allow(given, model_limit, expected):
     sched = SchedulerConfig(max_model_len=given)
+    assert sched.context_limit() == (given or 2048 * 16)  # before the model is known: the pool's
     sched.fit_context(model_limit)
-    assert sched.max_model_len == expected
+    assert sched.max_model_len == sched.context_limit() == expected

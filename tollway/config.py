@@ -79,7 +79,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     # Prompt + output, per request. None: as long as the model allows and the KV pool holds
-    # (settled by fit_context when the engine or a scheduler starts).
+    # (context_limit; the engine settles it with fit_context).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # Linear-layer kernel: a fixed name from KERNELS, or "auto" to pick per step by its token count.
@@ -125,13 +125,14 @@ class SchedulerConfig:
         if self.speculative_tokens < 0 or not 0 <= self.speculation_min_rate <= 1:
             raise ValueError("speculative_tokens must be >= 0 and speculation_min_rate in [0, 1]")
 
-    def fit_context(self, model_limit: int | None = None) -> None:
-        """Settle max_model_len: never past the model's context length (`model_limit`); unset,
-        all of it that the KV pool holds."""
-        limits = [n for n in (self.max_model_len, model_limit) if n is not None]
-        if self.max_model_len is None:
-            limits.append(self.num_blocks * self.block_size)
-        self.max_model_len = min(limits)
+    def context_limit(self) -> int:
+        """max_model_len, or (unset) all that the KV pool holds."""
+        return self.num_blocks * self.block_size if self.max_model_len is None else self.max_model_len
+
+    def fit_context(self, model_limit: int) -> None:
+        """Settle max_model_len (the engine does, once the model is known): never past the
+        model's context length; unset, as much of it as the KV pool holds."""
+        self.max_model_len = min(self.context_limit(), model_limit)
 
     def reserved(self, what: str, tier: str) -> int:
         """Blocks ("kv") or sequence slots ("seq") only `tier` may use; none outside lanes."""

@@ -37,7 +37,7 @@ class Grid:
 def grid_plans(sched, kernels: list[str], grid: Grid) -> list[StepPlan]:
     """Every (kernel, decodes, context, prefill) step of the grid that fits the scheduler.
     Each sequence reads its own KV blocks (block_tables)."""
-    context = min(max(grid.contexts), sched.max_model_len - 2, sched.num_blocks * sched.block_size - 2)
+    context = min(max(grid.contexts), sched.context_limit() - 2, sched.num_blocks * sched.block_size - 2)
     table = block_tables(sched, context)
     plans = []
     for kernel in kernels:

@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = device
         self.kernels = kernels
         self.block_size = sched.block_size
-        max_positions = min(model_config.max_position_embeddings, sched.max_model_len)
+        max_positions = min(model_config.max_position_embeddings, sched.context_limit())
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
         q8 = q8_library(cache_dir) if "q8" in kernels and device.type == "cpu" else None
         build = LinearBuilder(tensors, kernels, device, int8, q8)

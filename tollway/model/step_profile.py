@@ -34,7 +34,7 @@ def block_tables(sched: SchedulerConfig, context: int) -> Callable[[int], tuple[
 
 def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
     bs = sched.block_size
-    context = min(512, sched.max_model_len - 2, sched.num_blocks * bs - 2)
+    context = min(512, sched.context_limit() - 2, sched.num_blocks * bs - 2)
     tables = block_tables(sched, context)
     table = tables(0)
     budget = sched.max_num_batched_tokens
@@ -68,7 +68,7 @@ def profile_key(sched: SchedulerConfig) -> str:
 
 
 def _context(sched: SchedulerConfig) -> int:
-    return min(512, sched.max_model_len - 2, sched.num_blocks * sched.block_size - 2)
+    return min(512, sched.context_limit() - 2, sched.num_blocks * sched.block_size - 2)
 
 
 def profile_step_times(runner, sched: SchedulerConfig, repeats: int = 1,

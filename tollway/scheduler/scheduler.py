@@ -52,14 +52,13 @@ class Scheduler:
         self.policy = POLICY_TYPES[config.policy](self)
         self.step_model = step_model  # sets _candidates
         self.clock = clock
-        config.fit_context()  # max_model_len unset: what the pool holds (the engine settles it first)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
         # The pool bounds a tier's longest request as max_model_len does: a lone request must
         # always fit once everything else is preempted, or it could never finish. Its last token
         # needs no KV, hence the + 1.
         self._max_len = {
-            tier: min(config.max_model_len, (self.pool.num_blocks - sum(
+            tier: min(config.context_limit(), (self.pool.num_blocks - sum(
                 r for t, r in self._reserved["kv"].items() if t != tier)) * self.pool.block_size + 1)
             for tier in self.tiers}
         # Read-only views for metrics.
@@ -90,7 +89,7 @@ class Scheduler:
             raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
         if rid in self._entries:
             raise ValueError(f"request id {rid!r} is already in use")
-        check_prompt_length(num_prompt, self.config.max_model_len)
+        check_prompt_length(num_prompt, self.config.context_limit())
         if num_prompt >= self.max_len(request.tier):
             raise InvalidRequest(
                 f"prompt is {num_prompt} tokens, but the KV cache holds only {self.max_len(request.tier) - 1} "
