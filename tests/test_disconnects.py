@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tollway.meter.ledger import NANOS
 from tollway.request import SamplingParams
 from tollway.server.metrics import Metrics
 
@@ -153,8 +154,8 @@ def assert_all_withdrawn_and_billed(server, before: dict, attributed_before: flo
             row = found[0]
             assert row["completion_tokens"] >= s["chunks"] if s["mode"] != "whole" else row["completion_tokens"] == MAX_TOKENS
             assert row["prompt_tokens"] in (0, 50)
-            assert row["price"] == pytest.approx(meter.price_card.billed("standard", row["prompt_tokens"],
-                                                                         row["completion_tokens"]))
+            assert row["price_nanos"] / NANOS == pytest.approx(meter.price_card.billed("standard", row["prompt_tokens"],
+                                                                                       row["completion_tokens"]))
             assert (row["engine_seconds"] > 0) == (row["prompt_tokens"] > 0)
             assert row["finish_reason"] == "length" if s["mode"] == "whole" else row["finish_reason"] in ("abort", "length")
     # Every step's engine time went to a call's row: none is lost to a row written before the

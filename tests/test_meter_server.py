@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tollway.config import BudgetSpec, KeySpec, default_tiers
+from tollway.meter.ledger import MONEY, NANOS
 from tollway.meter.webhook import Webhook
 from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.keys import Gatekeeper
@@ -53,9 +54,16 @@ def _client(server, key):
 
 
 def _row(ledger, rid):
+    """The request's ledger row as on disk, its money in dollars (stored as nano-dollars)."""
     db = sqlite3.connect(ledger)  # a fresh connection: what is on disk
     db.row_factory = sqlite3.Row
-    return db.execute("SELECT * FROM requests WHERE id = ?", (rid,)).fetchone()
+    row = db.execute("SELECT * FROM requests WHERE id = ?", (rid,)).fetchone()
+    if row is None:
+        return None
+    row = dict(row)
+    for name in MONEY:
+        row[name] = row.pop(f"{name}_nanos") / NANOS
+    return row
 
 
 def test_a_response_carries_its_cost_and_its_row_is_already_on_disk(metered):
