@@ -26,6 +26,7 @@ from webhook_receiver import Receiver
 PROMPT = list(range(1000, 1010))  # 10 tokens, whatever the tokenizer
 NEW = 5
 STANDARD = default_tiers()["standard"]
+NANO = 1 / NANOS
 PRICE = (len(PROMPT) * STANDARD.price_input_per_m + NEW * STANDARD.price_output_per_m) / 1e6
 NOW = [time.time()]  # the budgets' clock; a test moves it a day on
 
@@ -75,9 +76,10 @@ def test_a_response_carries_its_cost_and_its_row_is_already_on_disk(metered):
     assert (row["prompt_tokens"], row["completion_tokens"]) == (len(PROMPT), NEW)
     assert body["usage"]["price"] == pytest.approx(PRICE) == row["price"]
     assert 0 < row["engine_seconds"] <= row["e2e_seconds"]
-    assert row["cost"] == pytest.approx(row["engine_seconds"] * 0.001)  # 3.6 $/h
-    assert body["usage"]["cost"] == pytest.approx(row["cost"])
-    assert float(raw.headers["x-tollway-cost"]) == pytest.approx(row["cost"])
+    # the ledger keeps whole nano-dollars
+    assert row["cost"] == pytest.approx(row["engine_seconds"] * 0.001, abs=NANO)  # 3.6 $/h
+    assert body["usage"]["cost"] == pytest.approx(row["cost"], abs=NANO)
+    assert float(raw.headers["x-tollway-cost"]) == pytest.approx(row["cost"], abs=NANO)
     assert row["ttft_seconds"] is not None and row["queue_seconds"] is not None
 
 
@@ -88,7 +90,7 @@ def test_a_stream_reports_cost_in_its_usage_chunk(metered):
     usage = chunks[-1].usage
     row = _row(metered["ledger"], chunks[-1].id)
     assert row is not None and row["cost"] > 0
-    assert usage.model_extra["cost"] == pytest.approx(row["cost"])
+    assert usage.model_extra["cost"] == pytest.approx(row["cost"], abs=NANO)
     assert usage.model_extra["price"] == pytest.approx(PRICE)
 
 
