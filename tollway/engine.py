@@ -23,7 +23,6 @@ from tollway.request import InvalidRequest, Request, SamplingParams
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
-from tollway.sim.hardware import kv_bytes_per_token
 from tollway.scheduler.step_model import StepTimeModel
 from tollway.text.stream import TextStream
 
@@ -62,7 +61,7 @@ class Engine:
             if config.kv_cache_memory is not None:
                 kv_dtype = kv_dtype_for(self.device, config.kv_cache_dtype, sched.kernels_to_load())
                 sched.num_blocks = kv_pool_blocks(config.kv_cache_memory, device_memory(self.device),
-                                                  kv_bytes_per_token(self.model_config, kv_dtype.itemsize),
+                                                  self.model_config.kv_bytes_per_token(kv_dtype.itemsize),
                                                   sched.block_size)
             sched.fit_context(self.model_config.max_position_embeddings)
             sched.validate()

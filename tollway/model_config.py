@@ -95,6 +95,10 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """KV cache bytes one token takes over every layer: K and V, `itemsize` bytes a value."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -71,24 +71,20 @@ def linear_parameters(m: ModelConfig) -> tuple[float, float]:
     return m.num_layers * (attention + mlp), m.vocab_size * m.hidden_size
 
 
-def kv_bytes_per_token(m: ModelConfig, itemsize: int = 2) -> int:
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * itemsize  # K and V, bf16 unless told
-
-
 def kv_tokens(m: ModelConfig, h: Hardware) -> int:
     """Tokens of KV cache that fit beside the weights."""
     body, head = linear_parameters(m)
     free = h.memory_gb * 1e9 * MEMORY_FOR_KV - (body + head) * h.weight_bytes
     if free <= 0:
         raise ValueError(f"the model's weights do not fit in {h.name}'s {h.memory_gb:g} GB")
-    return int(free // kv_bytes_per_token(m))
+    return int(free // m.kv_bytes_per_token())  # bf16
 
 
 def step_work(m: ModelConfig, h: Hardware, tokens: int, sampled: int, decode_pairs: float,
               prefill_pairs: float = 0.0) -> tuple[float, float]:
     """(bytes moved, FLOPs) of a step: T tokens, S sampled rows, and its query-key pairs."""
     body, head = linear_parameters(m)
-    moved = (body + head) * h.weight_bytes + (decode_pairs + prefill_pairs / QUERY_TILE) * kv_bytes_per_token(m)
+    moved = (body + head) * h.weight_bytes + (decode_pairs + prefill_pairs / QUERY_TILE) * m.kv_bytes_per_token()
     flops = (2 * body * tokens + 2 * head * sampled
              + 4 * m.num_heads * m.head_dim * m.num_layers * (decode_pairs + prefill_pairs))
     return moved, flops
