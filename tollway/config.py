@@ -56,11 +56,12 @@ def default_tiers() -> dict[str, TierSpec]:
     step takes ~11 ms and a 64-sequence step ~80 ms, so fast at 20 ms a step (and its
     speculative drafts) is several times standard's per-user speed; lanes.py's sweep found
     20 ms as cheap for the other lanes as 30. A lone fast prompt's TTFT
-    is ~40 ms, so for a minute after fast traffic steps stay within 40 ms, keeping a newcomer's
-    wait for the step in flight about that. Prices follow the hosted APIs: priority ~2x (here
+    is ~40 ms; a 60 ms target keeps steps within 30 ms for a minute after fast traffic (a
+    newcomer waits out the step in flight) and leaves no time to cut a prompt in chunks that
+    each pay a step's fixed cost, so under load a fast TTFT stays within 2x the idle one. Prices follow the hosted APIs: priority ~2x (here
     3x), batch -50%."""
     return {
-        "fast": TierSpec("fast", 0, tpot_target=0.02, ttft_target=0.08, warm_for=60.0, reserved_kv_share=0.1,
+        "fast": TierSpec("fast", 0, tpot_target=0.02, ttft_target=0.06, warm_for=60.0, reserved_kv_share=0.1,
                          reserved_seq_share=0.125, preemptible=False, max_queue=64,
                          price_input_per_m=0.30, price_output_per_m=1.20),
         "standard": TierSpec("standard", 1, tpot_target=2.0, ttft_target=10.0, max_queue=1024,

@@ -318,20 +318,25 @@ class Scheduler:
         start = request.num_computed_tokens
         must = self.policy.fast_lane(request.tier)
         remaining = request.num_tokens - start
-        n = step.chunk(start, remaining, True, must, self._fast_prefill_share(request, remaining, now) if must else 0)
+        n = step.chunk(start, remaining, True, must, self._fast_prefill_share(request, start, remaining, step, now) if must else 0)
         drafts = self._drafts(request, step) if must and n == 1 and start == request.num_tokens - 1 else []
         if n and self._make_room(request, start + n + len(drafts), preempted):
             step.add(self._schedule(request, n, drafts))
 
-    def _fast_prefill_share(self, request: Request, remaining: int, now: float) -> int:
+    def _fast_prefill_share(self, request: Request, start: int, remaining: int, step: StepBudget, now: float) -> int:
         """Tokens of a fast prompt's prefill this step takes even past the TPOT target that
-        fast decodes hold it to: the fast steps left before its TTFT target (a TPOT target
-        each) share what remains, so the prompt is not cut into chunks that each pay a whole
-        step's fixed cost and finish it past that target."""
+        fast decodes hold it to. What remains is cut into as many chunks as there are steps
+        before its TTFT target, counting each step as the step model predicts it (a chunk
+        costs its step's fixed cost again, so a chunked step runs past the TPOT target): a
+        prompt that two steps cannot finish in time goes in whole."""
         fast = self.tiers["fast"]
         if remaining <= 1 or not fast.ttft_target or not fast.tpot_target:
             return 0
-        steps = int((fast.ttft_target - (now - request.arrival_time)) / fast.tpot_target)
+        left = fast.ttft_target - (now - request.arrival_time)
+        steps = int(left / fast.tpot_target)
+        while steps > 1 and self.step_model is not None and \
+                steps * step.stretched(step.shape.plus(start, -(-remaining // steps), 1)) > left:
+            steps -= 1
         return remaining if steps <= 1 else -(-remaining // steps)
 
     def _drafts(self, request: Request, step: StepBudget) -> list[int]:
@@ -371,7 +376,8 @@ class Scheduler:
             cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, entry.block_hashes)
             self._held[request.tier] += len(self.pool.table(rid))
             remaining = request.num_tokens - cached
-            n = step.chunk(cached, remaining, True, force, self._fast_prefill_share(request, remaining, now) if force else 0)
+            n = step.chunk(cached, remaining, True, force,
+                           self._fast_prefill_share(request, cached, remaining, step, now) if force else 0)
             if n == 0:
                 self._release(request)
                 return

@@ -41,6 +41,12 @@ class StepBudget:
     def predict(self, shape: StepShape) -> float:
         return self.sched.fastest(shape, self.headroom)[1]
 
+    def stretched(self, shape: StepShape) -> float:
+        """`shape`'s predicted seconds stretched by the overrun the target plans for: the
+        time it is expected to take."""
+        kernel, seconds = self.sched.fastest(shape, self.headroom)
+        return seconds * self.headroom.get(kernel, 1.0)
+
     def budget(self, kernel: str) -> float | None:
         """The target in predicted seconds for the step's kernel: what the plan was fitted to."""
         if self.seconds is None:
@@ -79,8 +85,7 @@ class StepBudget:
     def shape_fits(self, shape: StepShape) -> bool:
         if self.seconds is None:
             return True
-        kernel, seconds = self.sched.fastest(shape, self.headroom)
-        return seconds * self.headroom.get(kernel, 1.0) <= self.seconds
+        return self.stretched(shape) <= self.seconds
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
