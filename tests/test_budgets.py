@@ -15,8 +15,9 @@ import pytest
 
 from tollway.config import BudgetSpec
 from tollway.meter.budgets import HOLD_TTL, BudgetExceeded, Budgets, period_bounds
-from tollway.meter.ledger import Ledger, LedgerRow
+from tollway.meter.ledger import NANOS, Ledger, LedgerRow
 from tollway.meter.webhook import Webhook
+from tollway.storage.database import Database
 
 from webhook_receiver import Receiver
 
@@ -155,6 +156,65 @@ def test_a_dead_servers_holds_lapse_and_a_live_one_keeps_them(store_target):
         later.reserve("y", "alice", [], 0.01)
     alive.close()
     later.close()
+
+
+def test_ten_dimes_fill_a_dollar_cap_exactly(store_target):
+    """Summed as floats, ten holds or spends of $0.10 are $0.9999999999999999: short of the cap,
+    so a request for a nano-dollar or nothing would pass it and the 100% alert would not fire."""
+    assert sum([0.1] * 10) != 1.0  # the trap
+    now = utc(2026, 11, 29, 10)
+    ledger = Ledger(store_target)
+    budgets = Budgets([BudgetSpec(limit=1.0, key="alice", period="daily")], ledger, clock=lambda: now)
+    for i in range(10):
+        budgets.reserve(f"r{i}", "alice", [], 0.1)
+    with pytest.raises(BudgetExceeded, match="held by requests in flight"):
+        budgets.reserve("nano", "alice", [], 1e-9)  # ten holds are the whole dollar
+    for i in range(10):
+        budgets.settle(spend(f"r{i}", 0.1, created=now))
+    with pytest.raises(BudgetExceeded, match=r"is spent \(\$1.000000 of \$1.000000\)"):
+        budgets.reserve("r10", "alice", [], 0.1)
+    with pytest.raises(BudgetExceeded, match="is spent"):
+        budgets.reserve("free", "alice", [], 0.0)
+    assert budgets.burn()[0]["spent"] == 1.0
+    assert ledger.database.query("SELECT spent_nanos FROM budget_spend") == [(NANOS,)]
+    assert ledger.database.query("SELECT threshold FROM alerts ORDER BY threshold") == [(0.5,), (0.8,), (1.0,)]
+    budgets.close()
+
+
+# The budgets' tables as tollway wrote them before money was exact: dollars as floats.
+_FLOAT_MONEY_SCHEMA = """
+CREATE TABLE budget_spend (budget TEXT NOT NULL, period_start REAL NOT NULL, spent REAL NOT NULL,
+    PRIMARY KEY (budget, period_start));
+CREATE TABLE budget_holds (request_id TEXT NOT NULL, budget TEXT NOT NULL, period_start REAL NOT NULL,
+    dollars REAL NOT NULL, owner TEXT NOT NULL, expires REAL NOT NULL, PRIMARY KEY (request_id, budget));
+CREATE INDEX budget_holds_budget ON budget_holds(budget, period_start);
+"""
+
+
+def test_budgets_with_float_money_are_migrated_with_their_spend_and_holds(store_target):
+    now = utc(2026, 11, 29, 10)
+    start, _ = period_bounds("daily", now)
+    old = Database(store_target)
+    old.create_schema(_FLOAT_MONEY_SCHEMA)
+    old.run("INSERT INTO budget_spend VALUES ('key:alice:daily', ?, 0.7)", (start,))
+    old.run("INSERT INTO budget_holds VALUES ('r1', 'key:alice:daily', ?, 0.2, 'old server', ?)", (start, now + 60))
+    old.close()
+    spec = BudgetSpec(limit=1.0, key="alice", period="daily")
+    budgets = Budgets([spec], Ledger(store_target), clock=lambda: now)  # its ledger is empty: nothing to re-seed from
+    assert budgets.burn()[0]["spent"] == 0.7
+    budgets.reserve("r2", "alice", [], 0.1)  # 0.7 spent + r1's 0.2 held + 0.1: the dollar, exactly
+    with pytest.raises(BudgetExceeded, match=r"\$0.700000 spent and \$0.300000 held"):
+        budgets.reserve("r3", "alice", [], 1e-9)
+    reopened = Budgets([spec], Ledger(store_target), clock=lambda: now)  # migrated once: nothing changes
+    assert reopened.database.query("SELECT spent_nanos FROM budget_spend") == [(700_000_000,)]
+    assert sorted(reopened.database.query("SELECT request_id, held_nanos, owner FROM budget_holds")) == [
+        ("r1", 200_000_000, "old server"), ("r2", 100_000_000, budgets.owner)]
+    with reopened.database.connect() as db:
+        assert "spent" not in db.columns("budget_spend") and "dollars" not in db.columns("budget_holds")
+    reopened.settle(spend("r1", 0.2, created=now))  # the old server's request, retried here
+    assert reopened.burn()[0]["spent"] == 0.9
+    budgets.close()
+    reopened.close()
 
 
 PRICE = 0.125  # exact in binary: the sums below are exact too

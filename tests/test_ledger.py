@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tollway.cli import main
-from tollway.meter.ledger import Ledger, LedgerRow, parse_time
+from tollway.meter.ledger import NANOS, Ledger, LedgerRow, parse_time
 from tollway.meter.report import economics
 
 
@@ -156,7 +156,7 @@ def test_money_sums_exactly(store_target):
     [standard] = ledger.usage("tier")
     assert (standard["price"], standard["cost"]) == (1.0, 1.0)
     with ledger.database.connect() as db:
-        assert Ledger.spent(db, "key", "alice", 0, 2000) == 1.0
+        assert Ledger.spent_nanos(db, "key", "alice", 0, 2000) == NANOS
     # A token at $0.05 per million is 50 nano-dollars: kept, not rounded away.
     ledger.record(row("tiny", tier="batch", price=0.05e-6))
     batch = ledger.usage("tier")[0]

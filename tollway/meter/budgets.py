@@ -10,9 +10,10 @@ price added to the budgets' spend and the release of its hold are one transactio
 
 A server renews its holds while it runs; those of a server that died lapse after HOLD_TTL,
 giving their room back. Spend per budget and period is a row in the database, seeded from the
-ledger the first time any server needs it. Alerts at 50%, 80% and 100% are claimed in the
-ledger, so each fires once per period across restarts and servers; they are logged and
-POSTed to the webhook. Budgets without a hard cap only count and alert.
+ledger the first time any server needs it. Money is kept in integer nano-dollars, as in the
+ledger, so sums are exact: ten requests at $0.10 fill a $1.00 cap. Alerts at 50%, 80% and 100%
+are claimed in the ledger, so each fires once per period across restarts and servers; they are
+logged and POSTed to the webhook. Budgets without a hard cap only count and alert.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from tollway.config import ALERT_THRESHOLDS, BudgetSpec
-from tollway.meter.ledger import Ledger, LedgerRow
+from tollway.meter.ledger import Ledger, LedgerRow, migrate_float_money, to_dollars, to_nanos
 from tollway.meter.webhook import Webhook
 from tollway.storage.database import Connection
 
@@ -32,20 +33,19 @@ _log = logging.getLogger(__name__)
 
 HOLD_TTL = 120.0  # seconds a hold outlives its server's last renewal
 _RENEW_EVERY = HOLD_TTL / 4
-_SLACK = 1e-9  # dollars: prices summed in floating point must not refuse a request that fits exactly
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS budget_spend (  -- settled (billed) dollars per budget and period
+CREATE TABLE IF NOT EXISTS budget_spend (  -- settled (billed) money per budget and period
     budget TEXT NOT NULL,
     period_start REAL NOT NULL,
-    spent REAL NOT NULL,
+    spent_nanos BIGINT NOT NULL,
     PRIMARY KEY (budget, period_start)
 );
 CREATE TABLE IF NOT EXISTS budget_holds (  -- the most each running request can still be billed
     request_id TEXT NOT NULL,
     budget TEXT NOT NULL,
     period_start REAL NOT NULL,
-    dollars REAL NOT NULL,
+    held_nanos BIGINT NOT NULL,
     owner TEXT NOT NULL,              -- the server holding it, which renews `expires` while it runs
     expires REAL NOT NULL,
     PRIMARY KEY (request_id, budget)
@@ -83,6 +83,10 @@ class Budgets:
         self.specs, self.ledger, self.webhook, self.clock = specs, ledger, webhook, clock
         self.database = ledger.database
         self.database.create_schema(_SCHEMA)
+        # Budgets written before money was exact kept dollars as floats.
+        with self.database.schema_transaction() as db:
+            migrate_float_money(db, "budget_spend", {"spent": "spent_nanos"})
+            migrate_float_money(db, "budget_holds", {"dollars": "held_nanos"})
         self.owner = uuid.uuid4().hex  # this server, in the holds it takes
         self._held: dict[str, dict[str, float]] = {}  # request id -> {budget: period start} held for it
         self._claimed: set[tuple[str, float, float]] = set()
@@ -101,6 +105,7 @@ class Budgets:
         if not capped:
             return
         now = self.clock()
+        nanos = to_nanos(dollars)
         held = {}
         with self.database.transaction() as db:
             for spec in capped:  # in name order: two servers lock the same budgets in the same order
@@ -111,14 +116,17 @@ class Budgets:
                            (name, start, now))  # lapsed: their server died
                 # Not counting a hold of this request's own: a fleet retrying a call on another
                 # replica takes over the hold the first one left (see settle).
-                holding = db.execute("SELECT COALESCE(SUM(dollars), 0) FROM budget_holds WHERE budget = ? "
-                                     "AND period_start = ? AND request_id <> ?", (name, start, request_id)).fetchone()[0]
-                if spent + _SLACK >= spec.limit or spent + holding + dollars > spec.limit + _SLACK:
-                    raise _refusal(spec, spent, holding, dollars, end, now)
-                db.execute("INSERT INTO budget_holds VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (request_id, budget) DO "
-                           "UPDATE SET period_start = excluded.period_start, dollars = excluded.dollars, "
+                holding = int(db.execute("SELECT COALESCE(SUM(held_nanos), 0) FROM budget_holds WHERE budget = ? "
+                                         "AND period_start = ? AND request_id <> ?",
+                                         (name, start, request_id)).fetchone()[0])
+                limit = to_nanos(spec.limit)
+                if spent >= limit or spent + holding + nanos > limit:
+                    raise _refusal(spec, spent, holding, nanos, end, now)
+                db.execute("INSERT INTO budget_holds (request_id, budget, period_start, held_nanos, owner, expires) "
+                           "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (request_id, budget) DO UPDATE SET "
+                           "period_start = excluded.period_start, held_nanos = excluded.held_nanos, "
                            "owner = excluded.owner, expires = excluded.expires",
-                           (request_id, name, start, dollars, self.owner, now + HOLD_TTL))
+                           (request_id, name, start, nanos, self.owner, now + HOLD_TTL))
                 held[name] = start
         with self._lock:
             self._held[request_id] = held
@@ -142,6 +150,7 @@ class Budgets:
         with self._lock:
             held = self._held.pop(row.id, {})
         now = self.clock()
+        price = to_nanos(row.price)
         crossed = []
         with self.database.transaction() as db:
             billed = self.ledger.has(db, row.id)
@@ -150,10 +159,10 @@ class Budgets:
                 # A held request counts in the period it was admitted in.
                 start, end = period_bounds(spec.period, held.get(name, now))
                 before = self._spent(db, spec, start, end)  # read before the row is in the ledger
-                db.execute("UPDATE budget_spend SET spent = spent + ? WHERE budget = ? AND period_start = ?",
-                           (row.price, name, start))
-                crossed += [(spec, start, t, before + row.price) for t in ALERT_THRESHOLDS
-                            if before + row.price + _SLACK >= t * spec.limit]
+                db.execute("UPDATE budget_spend SET spent_nanos = spent_nanos + ? "
+                           "WHERE budget = ? AND period_start = ?", (price, name, start))
+                crossed += [(spec, start, t, before + price) for t in ALERT_THRESHOLDS
+                            if before + price >= to_nanos(t * spec.limit)]
             if held:
                 db.execute("DELETE FROM budget_holds WHERE request_id = ?", (row.id,))
             if not billed:
@@ -165,7 +174,7 @@ class Budgets:
                     continue
                 self._claimed.add(claim)
             if self.ledger.claim_alert(*claim, now):
-                self._alert(spec, start, threshold, spent)
+                self._alert(spec, start, threshold, to_dollars(spent))
 
     def burn(self) -> list[dict]:
         """Every budget's spend in its current period, against its limit (end: when it resets)."""
@@ -174,11 +183,12 @@ class Budgets:
         with self.database.connect() as db:
             for spec in self.specs:
                 start, end = period_bounds(spec.period, now)
-                row = db.execute("SELECT spent FROM budget_spend WHERE budget = ? AND period_start = ?",
+                row = db.execute("SELECT spent_nanos FROM budget_spend WHERE budget = ? AND period_start = ?",
                                  (budget_name(spec), start)).fetchone()
                 scope, name = spec.scope
+                spent = row[0] if row else self.ledger.spent_nanos(db, scope, name, start, end)
                 out.append({"budget": budget_name(spec), "scope": scope, "name": name, "period": spec.period,
-                            "spent": row[0] if row else self.ledger.spent(db, scope, name, start, end),
+                            "spent": to_dollars(spent),
                             "limit": spec.limit, "hard_cap": spec.hard_cap, "end": end})
         return out
 
@@ -186,17 +196,17 @@ class Budgets:
         """Stop renewing holds (those still taken lapse after HOLD_TTL)."""
         self._stop.set()
 
-    def _spent(self, db: Connection, spec: BudgetSpec, start: float, end: float) -> float:
-        """The budget's settled spend in the period starting at `start`, its row locked until
-        the transaction ends; the row is first seeded from the ledger if no server has yet."""
+    def _spent(self, db: Connection, spec: BudgetSpec, start: float, end: float) -> int:
+        """The budget's settled nano-dollars in the period starting at `start`, its row locked
+        until the transaction ends; the row is first seeded from the ledger if no server has yet."""
         name = budget_name(spec)
-        select = f"SELECT spent FROM budget_spend WHERE budget = ? AND period_start = ?{db.for_update}"
+        select = f"SELECT spent_nanos FROM budget_spend WHERE budget = ? AND period_start = ?{db.for_update}"
         row = db.execute(select, (name, start)).fetchone()
         if row is None:
             # Every ledger write for this budget seeds or updates this row first, and a second
             # server's seed waits on ours and then does nothing: no request counts twice.
-            db.execute("INSERT INTO budget_spend VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                       (name, start, self.ledger.spent(db, *spec.scope, start, end)))
+            db.execute("INSERT INTO budget_spend (budget, period_start, spent_nanos) VALUES (?, ?, ?) "
+                       "ON CONFLICT DO NOTHING", (name, start, self.ledger.spent_nanos(db, *spec.scope, start, end)))
             row = db.execute(select, (name, start)).fetchone()
         return row[0]
 
@@ -224,18 +234,20 @@ class Budgets:
             self.webhook.send(payload)
 
 
-def _refusal(spec: BudgetSpec, spent: float, holding: float, dollars: float, end: float,
+def _refusal(spec: BudgetSpec, spent_nanos: int, holding_nanos: int, nanos: int, end: float,
              now: float) -> BudgetExceeded:
+    limit = to_nanos(spec.limit)
+    spent, holding, dollars = to_dollars(spent_nanos), to_dollars(holding_nanos), to_dollars(nanos)
     scope, name = spec.scope
     budget = f"the {spec.period} budget of {scope} {name!r}"
     resets = dt.datetime.fromtimestamp(end, dt.timezone.utc).isoformat()
     until_reset = max(1, int(end - now))
-    if spent + _SLACK >= spec.limit:
+    if spent_nanos >= limit:
         return BudgetExceeded(f"{budget} is spent (${spent:.6f} of ${spec.limit:.6f}); it resets at {resets}",
                               until_reset)
-    if spent + dollars > spec.limit + _SLACK:
-        return BudgetExceeded(f"{budget} has ${spec.limit - spent:.6f} left of ${spec.limit:.6f}, and this request "
-                              f"may cost up to ${dollars:.6f} (its prompt and max_tokens at its lane's price); "
-                              f"lower max_tokens, or wait for the reset at {resets}", until_reset)
+    if spent_nanos + nanos > limit:
+        return BudgetExceeded(f"{budget} has ${to_dollars(limit - spent_nanos):.6f} left of ${spec.limit:.6f}, "
+                              f"and this request may cost up to ${dollars:.6f} (its prompt and max_tokens at its "
+                              f"lane's price); lower max_tokens, or wait for the reset at {resets}", until_reset)
     return BudgetExceeded(f"{budget} is held by requests in flight (${spent:.6f} spent and ${holding:.6f} held, of "
                           f"${spec.limit:.6f}); this request may cost up to ${dollars:.6f}: retry when they finish", 1)

@@ -22,6 +22,28 @@ GROUPS = ("key", "tier", "tag", "model")
 NANOS = 10**9
 MONEY = ("cost", "price")
 
+
+def to_nanos(dollars: float) -> int:
+    return round(dollars * NANOS)
+
+
+def to_dollars(nanos) -> float:
+    return int(nanos) / NANOS  # int(): PostgreSQL's SUM of BIGINT is NUMERIC
+
+
+def migrate_float_money(db: Connection, table: str, columns: dict[str, str]) -> None:
+    """Replace each column of `table` that kept dollars as floats (old name -> new name) with
+    one of nano-dollars, in the caller's schema transaction; a column already gone is skipped,
+    so a table is migrated once, by the first server to start."""
+    present = db.columns(table)
+    for old, new in columns.items():
+        if old not in present:
+            continue
+        db.execute(f"ALTER TABLE {table} ADD COLUMN {new} BIGINT NOT NULL DEFAULT 0")
+        db.execute(f"UPDATE {table} SET {new} = CAST(ROUND({old} * {NANOS}) AS BIGINT)")
+        db.execute(f"ALTER TABLE {table} DROP COLUMN {old}")
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id TEXT PRIMARY KEY,
@@ -84,18 +106,9 @@ class Ledger:
         """`target`: a Database, a postgresql:// URL, or a SQLite file's path."""
         self.database = as_database(target)
         self.database.create_schema(_SCHEMA)
-        self._migrate_float_money()
-
-    def _migrate_float_money(self) -> None:
-        """Ledgers written before money was exact kept dollars as floats in `cost` and `price`:
-        convert them to nano-dollars once, in one transaction (the first server to start does)."""
+        # Ledgers written before money was exact kept dollars as floats in `cost` and `price`.
         with self.database.schema_transaction() as db:
-            if "cost" not in db.columns("requests"):
-                return
-            for name in MONEY:
-                db.execute(f"ALTER TABLE requests ADD COLUMN {name}_nanos BIGINT NOT NULL DEFAULT 0")
-                db.execute(f"UPDATE requests SET {name}_nanos = CAST(ROUND({name} * {NANOS}) AS BIGINT)")
-                db.execute(f"ALTER TABLE requests DROP COLUMN {name}")
+            migrate_float_money(db, "requests", {name: f"{name}_nanos" for name in MONEY})
 
     def record(self, row: LedgerRow) -> None:
         """Insert the row and its tags in one transaction, durable when this returns."""
@@ -108,7 +121,7 @@ class Ledger:
         values = asdict(row)
         values["tags"] = json.dumps(row.tags)
         for name in MONEY:
-            values[f"{name}_nanos"] = round(values.pop(name) * NANOS)
+            values[f"{name}_nanos"] = to_nanos(values.pop(name))
         db.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
                    list(values.values()))
         db.executemany("INSERT INTO request_tags VALUES (?, ?)", [(row.id, t) for t in dict.fromkeys(row.tags)])
@@ -124,7 +137,7 @@ class Ledger:
         for values in self._dicts(f"SELECT * FROM requests {where} ORDER BY created", args):
             values["tags"] = json.loads(values["tags"])
             for name in MONEY:
-                values[name] = values.pop(f"{name}_nanos") / NANOS
+                values[name] = to_dollars(values.pop(f"{name}_nanos"))
             out.append(LedgerRow(**values))
         return out
 
@@ -148,20 +161,20 @@ class Ledger:
         for r in self._dicts(query, args):
             row = {group_by: r.pop("grp"), **r}
             for name in MONEY:
-                row[name] = int(row[name]) / NANOS  # an exact integer sum (PostgreSQL's is NUMERIC)
+                row[name] = to_dollars(row[name])  # of an exact integer sum
             row["margin"] = row["price"] - row["cost"]
             out.append(row)
         return out
 
     @staticmethod
-    def spent(db: Connection, scope: str, name: str, start: float, end: float) -> float:
-        """Billed dollars in [start, end) for one key (by name) or one tag."""
+    def spent_nanos(db: Connection, scope: str, name: str, start: float, end: float) -> int:
+        """Billed nano-dollars in [start, end) for one key (by name) or one tag."""
         if scope == "key":
             query = "SELECT SUM(price_nanos) FROM requests WHERE key = ? AND created >= ? AND created < ?"
         else:
             query = ("SELECT SUM(r.price_nanos) FROM requests r JOIN request_tags t ON t.request_id = r.id "
                      "WHERE t.tag = ? AND r.created >= ? AND r.created < ?")
-        return int(db.execute(query, (name, start, end)).fetchone()[0] or 0) / NANOS
+        return int(db.execute(query, (name, start, end)).fetchone()[0] or 0)
 
     def claim_alert(self, budget: str, period_start: float, threshold: float, now: float) -> bool:
         """True the first time this alert is claimed for this period (across restarts and servers)."""
