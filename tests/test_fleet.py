@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
@@ -35,6 +36,7 @@ from tollway.fleet.replica import ReplicaSpec
 from tollway.fleet.router import ReplicaState, Router
 from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
+from tollway.server.keep_alive import COMMENT
 from tollway.server.keys import Gatekeeper, KeyDatabase
 from tollway.server.live_stats import LiveStats
 
@@ -199,6 +201,52 @@ def test_the_fleet_dashboard_needs_an_admin_key_and_survives_its_replicas():
             d = data()
             assert (d["replicas"][1]["state"], d["replicas"][1]["outstanding_tokens"]) == ("dead", None)
             assert d["totals"] == d["replicas"][0]["totals"]
+    finally:
+        for s in servers:
+            next(s, None)
+
+
+class InOrder(Rayless):
+    """Places each call on the first replica it has not tried yet."""
+
+    async def route(self, hint):
+        return next(r for r in self.router.replicas if r.index not in hint.exclude)
+
+
+def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
+    """A replica whose completions stream these events, each on its own, then ends or dies."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}  # alive: the ingress retries without killing it
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def stream():
+            for e in events:
+                yield e
+                await asyncio.sleep(0.2)  # the ingress has read it before anything else comes
+            if dies:
+                raise RuntimeError("the replica's engine died")  # its connection closes mid-stream
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+def test_keep_alive_comments_are_not_an_answer_and_the_call_is_retried_after_them():
+    """Replica 0 sends a keep-alive comment, then dies: its response had not begun, so the call
+    goes to replica 1, and the client hears only replica 1's stream, never an error event."""
+    answer = [COMMENT, 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "hi"}]}\n\n', "data: [DONE]\n\n"]
+    servers = [serving(sse_replica([COMMENT, COMMENT], dies=True)), serving(sse_replica(answer))]
+    fleet = InOrder([next(s) for s in servers])
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            resp = ingress.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+            assert (resp.status_code, resp.headers["x-tollway-replica"]) == (200, "1")
+            assert resp.text == "".join(answer)
+            assert 'tollway:router_retries_total{tier="standard",why="replica_lost"} 1.0' in ingress.get("/metrics").text
     finally:
         for s in servers:
             next(s, None)

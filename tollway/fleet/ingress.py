@@ -3,7 +3,8 @@ replica by the tier-aware router (router.py, run by Serve as the deployment's re
 fleet.py) and proxied to that replica's own tollway API.
 
 A request is *committed* to a replica once its response has begun reaching the client: the
-whole body of a plain response, the first event of a stream. Until then any failure there
+whole body of a plain response, the first event of a stream that is not a comment (keep-alive
+comments are no answer: server/keep_alive.py). Until then any failure there
 (the replica died or stopped answering, refused it as draining or queue-full, or answered
 5xx) sends it to another replica, so no request is silently dropped; the call keeps one id on
 every replica tried (server/call_ids.py), so one that failed after billing it is not billed
@@ -139,9 +140,14 @@ class Ingress:
                 if refused:
                     raise _NotServed(refused, response)
                 return response
+            # Keep-alive comments before the first event are held, not forwarded: forwarding one
+            # would begin the client's response (its status and headers, x-tollway-replica among
+            # them) on a replica that may yet fail, and the call could no longer go elsewhere
+            # unseen. Little waits here: a replica begins its response only once the request has
+            # started (ReplicaEngine.add). The comments then go out with the first event.
             first = b""
             chunks = resp.aiter_raw()
-            while b"\n\n" not in first:
+            while not _holds_event(first):
                 first += await anext(chunks)
         except (httpx.HTTPError, StopAsyncIteration):
             await resp.aclose()
@@ -266,6 +272,13 @@ class _NotServed(Exception):
     def __init__(self, why: str, refusal: Response | None = None):
         super().__init__(why)
         self.why, self.refusal = why, refusal
+
+
+def _holds_event(received: bytes) -> bool:
+    """Whether a stream's bytes so far hold a whole event other than a comment (lines that
+    begin with a colon, as the replicas' keep-alive comments do)."""
+    *events, _ = received.split(b"\n\n")  # the last part is not yet whole
+    return any(line and not line.startswith(b":") for event in events for line in event.split(b"\n"))
 
 
 def _refusal(status: int, content: bytes) -> str | None:
