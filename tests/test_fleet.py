@@ -28,7 +28,7 @@ from tollway.bench.stats import percentile
 from tollway.cli import main, server_parts
 from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
 from tollway.fleet.dashboard import merge
-from tollway.fleet.fleet import Fleet, replica_resources
+from tollway.fleet.fleet import Fleet, replica_resources, serve_logging
 from tollway.fleet.ingress import create_ingress
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
@@ -38,6 +38,7 @@ from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
 from tollway.server.keep_alive import COMMENT
 from tollway.server.keys import Gatekeeper, KeyDatabase
+from tollway.server.log_level import uvicorn_logging
 from tollway.server.live_stats import LiveStats
 
 from dashboard_browser import ARTIFACTS, dashboard_page, shown_values
@@ -109,6 +110,27 @@ def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
     assert main(["serve", "--replicas", "2"]) == 2
     assert "pip install 'tollway[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level, serve_level, access_log", [("warning", "WARNING", False), ("debug", "DEBUG", True),
+                                                          ("trace", "DEBUG", True)])
+def test_log_level_reaches_the_replicas_serve_and_the_ingress(monkeypatch, level, serve_level, access_log):
+    """`tollway serve --replicas 2 --log-level LEVEL`: the replicas' spec carries the level (each
+    replica runs its uvicorn by it), Serve logs at it, and the ingress's uvicorn runs at it."""
+    import uvicorn
+
+    from tollway.fleet import fleet as fleet_module
+
+    seen = {}
+    monkeypatch.setattr(fleet_module, "import_ray", lambda: None)  # no Ray here: nothing starts
+    monkeypatch.setattr(Fleet, "start", lambda self: seen.update(spec=self.spec))
+    monkeypatch.setattr(Fleet, "shutdown", lambda self: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: seen.update(ingress=settings))
+    assert main(["serve", "--replicas", "2", "--log-level", level]) == 0
+    assert seen["spec"].log_level == level
+    assert uvicorn_logging(seen["spec"].log_level) == {"log_level": level, "access_log": access_log}
+    assert serve_logging(seen["spec"].log_level) == {"log_level": serve_level, "enable_access_log": False}
+    assert (seen["ingress"]["log_level"], seen["ingress"]["access_log"]) == (level, access_log)
 
 
 def test_a_replica_asks_ray_for_a_gpu_only_when_it_runs_on_cuda():

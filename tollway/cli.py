@@ -18,6 +18,7 @@ from tollway.config import (
 )
 from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams
+from tollway.server.log_level import LOG_LEVELS, uvicorn_logging
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sse-keep-alive", type=float, metavar="SECONDS",
                        help="send a stream that has been silent this long a keep-alive comment (default 15)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                       help="uvicorn's log level; at info and below, every request is logged (the access log)")
+                       help="uvicorn's log level; at info and below, every request is logged (the access log). "
+                            "With --replicas: the ingress's, each replica's and Ray Serve's")
     add_engine_arguments(serve)
     keys = sub.add_parser("keys", help="manage API keys in the key store")
     keys.add_argument("action", choices=("add", "list", "revoke"))
@@ -252,8 +254,8 @@ def _serve(args) -> int:
         from tollway.fleet.fleet import serve_fleet
         from tollway.fleet.replica import ReplicaSpec
 
-        return serve_fleet(ReplicaSpec(name, config, server, server_parts), args.replicas, args.ray_address,
-                           server.host, server.port)
+        return serve_fleet(ReplicaSpec(name, config, server, server_parts, log_level=args.log_level), args.replicas,
+                           args.ray_address, server.host, server.port)
     gatekeeper, meter, batch_dir = server_parts(server, config)
     metrics = Metrics(name)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
@@ -266,7 +268,7 @@ def _serve(args) -> int:
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter,
                                keep_alive=server.sse_keep_alive), host=server.host,
-                    port=server.port, log_level=args.log_level, access_log=args.log_level in ("debug", "trace", "info"))
+                    port=server.port, **uvicorn_logging(args.log_level))
     finally:
         engine.shutdown()
         meter.budgets.close()
@@ -275,9 +277,6 @@ def _serve(args) -> int:
         for database in {meter.ledger.database, gatekeeper.database.database}:
             database.close()
     return 0
-
-
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def api_keys_from_environment() -> list[str]:

@@ -28,6 +28,7 @@ import httpx
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import Replica, ReplicaSpec
 from tollway.fleet.router import ReplicaState, Router, RoutingHint
+from tollway.server.log_level import uvicorn_logging
 
 LOOPBACK = "127.0.0.1"
 APP = "tollway"  # the Serve application (and its one deployment, Replica)
@@ -36,7 +37,6 @@ REPORT_SECONDS = 0.25  # how often Serve polls each replica's load for the route
 FIRST_REPORT_SECONDS = 60.0  # the replicas run once Serve says so; their reports reach the router within this
 CHOOSE_SECONDS = 30.0  # a routing call that takes longer is failed, and tried again
 ANSWER_SECONDS = 10.0  # a replica that does not answer its /health within this is lost
-QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs: not a line per request
 
 
 def import_ray():
@@ -84,12 +84,13 @@ class Fleet:
         # Replicas on this machine only listen on loopback; joining a cluster, on their node's address.
         host = None if self.ray_address else LOOPBACK
         resources = replica_resources(config, cluster, self.size)
+        logging_config = serve_logging(spec.log_level)
         Fleet.serving[APP] = self
         deployment = serve.deployment(
             Replica, num_replicas=self.size, ray_actor_options=resources,
             # A call is the router's choice only (the request itself goes over HTTP): never queue one.
             max_ongoing_requests=10_000, health_check_period_s=HEALTH_CHECK_SECONDS,
-            graceful_shutdown_timeout_s=1.0, logging_config=QUIET, request_router_config=RequestRouterConfig(
+            graceful_shutdown_timeout_s=1.0, logging_config=logging_config, request_router_config=RequestRouterConfig(
                 request_router_class="tollway.fleet.serve_router.TierRequestRouter",
                 request_router_kwargs={"fleet": APP}, request_routing_stats_period_s=REPORT_SECONDS))
         try:
@@ -97,7 +98,7 @@ class Fleet:
             # crossover, step profile) into the shared cache, and the replicas read it there
             # rather than each measure while they share the cores.
             measured = ray.remote(start_engine).options(**resources).remote(config)
-            serve.start(proxy_location="Disabled", logging_config=QUIET)
+            serve.start(proxy_location="Disabled", logging_config=logging_config)
             ray.get(measured)
             self._deployed = True
             serve.run(deployment.bind(spec, host), name=APP, route_prefix=None)
@@ -183,6 +184,13 @@ def start_engine(config) -> None:
     Engine(config, progress=False)
 
 
+def serve_logging(level: str) -> dict:
+    """Serve's logging config at --log-level, in Python's level names (uvicorn's trace is below
+    them all). Serve's access log stays off at every level: its requests are the ingress's
+    routing calls, one per attempt, and the clients' requests are in uvicorn's access logs."""
+    return {"log_level": "DEBUG" if level == "trace" else level.upper(), "enable_access_log": False}
+
+
 def replica_resources(config, cluster: dict, size: int) -> dict:
     """What each replica asks Ray for: its share of the cores, and a GPU of its own when it
     runs on CUDA ("auto" does when the cluster has a GPU for every replica)."""
@@ -203,7 +211,7 @@ def serve_fleet(spec: ReplicaSpec, replicas: int, ray_address: str | None, host:
     try:
         print(f"tollway: serving {spec.model_name} on http://{host}:{port}/v1 from {replicas} replicas",
               file=sys.stderr)
-        uvicorn.run(create_ingress(fleet), host=host, port=port, log_level="warning")
+        uvicorn.run(create_ingress(fleet), host=host, port=port, **uvicorn_logging(spec.log_level))
     finally:
         fleet.shutdown()
     return 0

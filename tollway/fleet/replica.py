@@ -26,6 +26,7 @@ from tollway.fleet.router import RoutingHint
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
 from tollway.scheduler.scheduler import QueueFullError
+from tollway.server.log_level import uvicorn_logging
 
 HEALTH_SECONDS = 20.0  # an engine that takes longer to come round to a call is hung
 
@@ -114,6 +115,7 @@ class ReplicaSpec:
     server: ServerConfig
     build: Callable
     secret: str | None = None  # the fleet's, with which its ingress names calls (server/call_ids.py)
+    log_level: str = "info"  # --log-level: the replicas', the ingress's and Serve's
 
 
 class Replica:
@@ -142,7 +144,7 @@ class Replica:
         sock.bind((host, 0))
         self.url = f"http://{host}:{sock.getsockname()[1]}"
         self.actor_name = ray.get_runtime_context().get_actor_name()
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, **uvicorn_logging(spec.log_level)))
         threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True).start()
         deadline = time.monotonic() + 60
         while not self._server.started:
