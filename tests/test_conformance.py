@@ -145,19 +145,42 @@ CITY = {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "
     ({"response_format": CITY}, "response_format"),
 ], ids=["tools", "json_schema"])
 def test_tools_and_json_schema_answer_in_openai_shapes(server, body, param):  # noqa: F811
-    """Honoured, a ChatCompletion (and chunks) that carries what was asked; or refused, a 400
-    naming the field: either way in OpenAI's shape."""
-    r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, **body})
-    if r.status_code != 200:
-        assert _error(r, 400).param == param
-        return
+    """A ChatCompletion (and chunks) that carries what was asked, in OpenAI's shape."""
+    r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
     choice = _validated(ChatCompletion, r.json()).choices[0]
     if param == "tools":
-        assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls[0].function.name == "weather"
-    elif choice.finish_reason == "stop":
-        assert isinstance(json.loads(choice.message.content)["name"], str)
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "weather"
+        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments)["city"], str)
+    else:
+        assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content)["name"], str)
     for event in _events(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, **body}):
         _validated(ChatCompletionChunk, event)
+
+
+def test_the_openai_clients_parse_gets_a_validated_object(server):  # noqa: F811
+    """client.chat.completions.parse with a pydantic model: the reply validates against it; cut
+    short by max_tokens, the client raises LengthFinishReasonError as it does with OpenAI."""
+    class City(BaseModel):  # strings: an unbounded integer is one this model writes digits into until cut
+        name: str
+        country: str
+
+    question = [{"role": "user", "content": "Describe the city of Paris as JSON."}]
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0) as client:
+        done = client.chat.completions.parse(model=MODEL, messages=question, response_format=City, max_tokens=120,
+                                             temperature=0)
+        city = done.choices[0].message.parsed
+        assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
+        assert json.loads(done.choices[0].message.content) == city.model_dump()
+        with pytest.raises(openai.LengthFinishReasonError):
+            client.chat.completions.parse(model=MODEL, messages=question, response_format=City, max_tokens=3)
+        anything = client.chat.completions.create(model=MODEL, messages=question, max_tokens=120, temperature=0,
+                                                  response_format={"type": "json_object"})
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=question, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "nonsense"}}})
+        assert e.value.body["param"] == "response_format"
 
 
 @pytest.mark.parametrize("method, path, body, status, param", [

@@ -89,3 +89,22 @@ def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
     assert meter.readiness_seconds == 0 and meter.attributed_seconds == pytest.approx(0.3)
     fast, standard = meter.release(["f"]), meter.release(["s"])
     assert fast > held and fast + standard == pytest.approx(0.3)
+
+
+def test_a_requests_own_work_is_charged_to_it_alone(tmp_path):
+    """A grammar's mask is one request's work (StepResult.own_seconds): that request pays it on
+    top of its share of the rest of the step, and the step still adds up."""
+    from types import SimpleNamespace
+
+    from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
+    engine = SimpleNamespace(step_model=StepTimeModel(COEFFS))
+    greedy = SamplingParams(temperature=0)
+    seqs = [ScheduledSeq(rid, "standard", (1,), 100, (0,), True, greedy) for rid in ("a", "b")]
+    plain = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "plain.sqlite"))
+    masked = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "masked.sqlite"))
+    for meter, result in ((plain, StepResult(1, {}, 0.1)), (masked, StepResult(1, {}, 0.13, {"a": 0.03}))):
+        meter.watch(["a", "b"])
+        meter.on_step(engine, StepPlan(1, seqs, "int8"), result, [])
+    assert plain.release(["a"]) == pytest.approx(0.05) and plain.release(["b"]) == pytest.approx(0.05)
+    assert masked.release(["a"]) == pytest.approx(0.08) and masked.release(["b"]) == pytest.approx(0.05)
+    assert masked.attributed_seconds == pytest.approx(masked.busy_seconds)

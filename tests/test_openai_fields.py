@@ -11,12 +11,8 @@ from live_server import running_server
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED_IN_CHAT = [
-    ("tools", [TOOL]),
-    ("tool_choice", "required"),
     ("functions", [TOOL["function"]]),
     ("function_call", "auto"),
-    ("parallel_tool_calls", False),
-    ("response_format", {"type": "json_object"}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "hello"}),

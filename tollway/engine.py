@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tollway.config import EngineConfig, kv_pool_blocks
 from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from tollway.model.grammar import Grammars
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
 from tollway.model.step_profile import profile_key, profile_step_times, samples_from_json, samples_to_json
@@ -79,6 +80,8 @@ class Engine:
                         self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
                         key=str(loaded.source))
                 self.tokenizer = tokenizer.result() if tokenizer else None
+                if self.tokenizer is not None:
+                    self.runner.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
             bar.update()
             self.step_model = None
             if config.profile_steps:  # after the tokenizer thread: it would skew the timings
@@ -116,7 +119,17 @@ class Engine:
                                      "prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        self.scheduler.add(Request(request_id, ids, params, tier=tier, eos_token_ids=tuple(eos)))
+        grammars = self.runner.grammars
+        if params.grammar is not None:
+            if grammars is None:
+                raise InvalidRequest("this model has no tokenizer, so it cannot follow a grammar", "response_format")
+            grammars.add(request_id, params.grammar)
+        try:
+            self.scheduler.add(Request(request_id, ids, params, tier=tier, eos_token_ids=tuple(eos)))
+        except BaseException:
+            if grammars is not None:
+                grammars.drop(request_id)
+            raise
         if self.tokenizer is not None:
             self.streams[request_id] = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop)
         return request_id
@@ -180,14 +193,18 @@ class Engine:
         self.last_result = result
         outputs = []
         now = time.monotonic()
-        for req, new_ids in self.scheduler.commit(plan, result, self._stop_string):  # more than one where drafts held
+        for req, new_ids in self.scheduler.commit(plan, result, self._stop_check):  # more than one where drafts held
             outputs.append(self._output(req, new_ids, now))
         return outputs
 
-    def _stop_string(self, request: Request, token_id: int) -> bool:
-        """Feed the token to the request's text; whether it completed a stop string."""
+    def _stop_check(self, request: Request, token_id: int) -> str | None:
+        """Feed the token to the request's text, and to its grammar: why it must finish, if it
+        completed a stop string or the grammar."""
         stream = self.streams.get(request.request_id)
-        return stream is not None and stream.push(token_id)
+        stopped = stream is not None and stream.push(token_id)
+        grammars = self.runner.grammars
+        completed = grammars.consume(request.request_id, token_id) if grammars is not None else None
+        return "stop" if stopped else completed
 
     def _output(self, req: Request, new_ids: list[int], now: float) -> RequestOutput:
         """The request's output as of now; the last one when it has finished (its text stream is
@@ -204,6 +221,8 @@ class Engine:
             time=now,
         )
         stream = self.streams.pop(req.request_id, None) if finished else self.streams.get(req.request_id)
+        if finished and self.runner.grammars is not None:
+            self.runner.grammars.drop(req.request_id)
         if stream is not None:
             out.new_text = stream.release(finished)
             if finished:

@@ -43,6 +43,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # An llguidance grammar (llguidance.LLMatcher.grammar_from_json_schema and the like): every token
+    # generated follows it, and the request stops when it is complete. The server makes one from
+    # response_format and tools.
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest, naming the field, for any bad value."""
@@ -87,7 +91,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.penalizes_repeats or bool(self.logit_bias)
+        return self.penalizes_repeats or bool(self.logit_bias) or self.grammar is not None
 
 
 class RequestState(enum.Enum):

@@ -41,7 +41,11 @@ class Meter:
             return
         model = engine.step_model
         coefficients = model.coefficients.get(plan.kernel, _TOKENS_ONLY) if model is not None else _TOKENS_ONLY
-        shares = attribute(plan, result.seconds, coefficients, 1.0)
+        # A request's own work (its grammar's mask) is its alone; the rest of the step is shared.
+        own = result.own_seconds
+        shares = attribute(plan, result.seconds - sum(own.values()), coefficients, 1.0)
+        for rid, seconds in own.items():
+            shares[rid] = shares.get(rid, 0.0) + seconds
         with self._lock:
             self.busy_seconds += result.seconds
             self.readiness_seconds += shares.pop(READINESS, 0.0)

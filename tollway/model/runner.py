@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
 from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.gemma3 import Gemma3Model
+from tollway.model.grammar import Grammars
 from tollway.model.host_memory import keep_freed_memory
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, LinearBuilder
@@ -50,6 +51,7 @@ class ModelRunner:
         self.window = model_config.sliding_window if "sliding" in model_config.layer_types else None
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.draw = native_draw(cache_dir) if device.type == "cpu" else None
+        self.grammars: Grammars | None = None  # the engine's, where its model has a tokenizer
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -61,7 +63,7 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel)
         sampled = [s for s in seqs if s.sample]
-        tokens = {}
+        tokens, own = {}, {}
         if sampled:
             rows = torch.tensor([r for s in sampled for r in logit_rows[s.request_id]], device=self.device)
             hidden = take_rows(hidden, rows)
@@ -69,12 +71,16 @@ class ModelRunner:
             if argmax is not None:
                 picked = sample_greedy(argmax, sampled)
             else:
-                picked = sample(self.model.logits(hidden, plan.kernel), sampled, self.generator, self.draw)
+                masks, own = self.grammars.masks(sampled) if self.grammars is not None else ({}, {})
+                logits = self.model.logits(hidden, plan.kernel)
+                picked = sample(logits, sampled, self.generator, self.draw, masks)
+                if masks:
+                    self.grammars.fit(sampled, picked, logits, own)
             for seq, kept in zip(sampled, picked):
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - start)
+        return StepResult(plan.step_id, tokens, time.perf_counter() - start, own)
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         dev, bs = self.device, self.block_size

@@ -1,5 +1,5 @@
-"""Turn one step's logits into tokens: min_tokens' bans, repetition penalties and logit_bias, then
-greedy, temperature, top-k, top-p, seeds, logprobs, and the verification of speculative drafts.
+"""Turn one step's logits into tokens: min_tokens' bans, repetition penalties, logit_bias and
+grammars' masks, then greedy, temperature, top-k, top-p, seeds, logprobs, and the verification of speculative drafts.
 
 A sampled row without drafts is drawn in one native call for the whole step where sampling.c
 compiles (`NativeDraw`); torch does the same draw otherwise, and for drafts."""
@@ -59,11 +59,12 @@ def native_draw(cache_dir: str | os.PathLike | None = None) -> NativeDraw | None
 
 
 def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator,
-           draw: NativeDraw | None = None) -> list[list[SampledToken]]:
+           draw: NativeDraw | None = None, masks: dict[str, torch.Tensor] | None = None) -> list[list[SampledToken]]:
     """logits: [rows, V] float32, seq i owning the next seq.num_logit_rows rows (1, or 1 + k
     when verifying k drafts). Per seq: the drafts it keeps, then the token sampled after them.
-    `draw`: the native draw for sampled rows without drafts (else torch's)."""
-    adjust_logits(logits, seqs)
+    `draw`: the native draw for sampled rows without drafts (else torch's); `masks`: by request
+    id, the tokens its grammar allows (grammar.py)."""
+    adjust_logits(logits, seqs, masks)
     # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows), but
     # nothing at all where no row is greedy (14 ms at 64 rows of 262k).
     argmax = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else []
@@ -86,9 +87,10 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
     return out
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
-    """In place, each seq's rows: min_tokens' bans, then its penalties and logit_bias. A row's
-    adjustment depends on its own request alone, so batching never changes it."""
+def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq], masks: dict[str, torch.Tensor] | None = None) -> None:
+    """In place, each seq's rows: min_tokens' bans, then its penalties and logit_bias, then its
+    grammar's mask. A row's adjustment depends on its own request alone, so batching never
+    changes it."""
     row = 0
     for seq in seqs:
         rows = logits[row:row + seq.num_logit_rows]
@@ -101,6 +103,9 @@ def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        allowed = masks.get(seq.request_id) if masks else None
+        if allowed is not None:  # a grammar's seq samples one row: it has no drafts
+            rows.masked_fill_(~allowed.to(logits.device), float("-inf"))
         row += seq.num_logit_rows
 
 
@@ -228,4 +233,5 @@ def _add_logprobs(tokens: list[SampledToken], rows: torch.Tensor, top_n: int) ->
         token.logprob = float(logp[j, token.token_id])
         if top_n:
             top = torch.topk(logp[j], top_n)
-            token.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
+            # Tokens a grammar or a ban ruled out have no logprob to show (JSON has no -inf).
+            token.top_logprobs = {t: v for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")}

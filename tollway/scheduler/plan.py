@@ -136,6 +136,8 @@ class StepResult:
     # Only for sequences with sample=True: the accepted drafts (if any), then the sampled token.
     tokens: dict[str, list[SampledToken]]
     seconds: float
+    # Of `seconds`, what was one request's work alone (its grammar's mask): charged to it, not shared.
+    own_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class Change(NamedTuple):

@@ -25,9 +25,10 @@ from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 RETRY_AFTER_SECONDS = 1
-# Takes each token a request appends; whether it completed one of its stop strings (the engine's
-# text streams match them: engine.py).
-StopString = Callable[[Request, int], bool]
+# Takes each token a request appends; why the request must finish after it, as decided outside
+# the scheduler (engine.py): a stop string in its text, or its grammar complete ("stop", or
+# "length" where the grammar was cut short to fit).
+StopCheck = Callable[[Request, int], str | None]
 
 
 class QueueFullError(ValueError):
@@ -198,15 +199,15 @@ class Scheduler:
         predicted = predicted if self.step_model and step.num_seqs else None
         return self._make_plan(step, kernel, preempted, predicted)
 
-    def commit(self, plan: StepPlan, result: StepResult, stop_string: StopString | None = None) -> list[Change]:
+    def commit(self, plan: StepPlan, result: StepResult, stop_check: StopCheck | None = None) -> list[Change]:
         """Apply a step's outcome; what changed for each request that got a token (and perhaps
-        finished: every reason to finish is decided here, a stop string by `stop_string`)."""
+        finished: every reason to finish is decided here, a stop string or a grammar by `stop_check`)."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if plan.step_id != self._step_id or self._in_flight is None:
             raise ValueError(f"step {plan.step_id} is not the latest uncommitted plan")
         if self.step_model is not None and plan.num_seqs:
-            self.step_model.observe(plan.shape, result.seconds)
+            self.step_model.observe(plan.shape, result.seconds - sum(result.own_seconds.values()))
         bs = self.pool.block_size
         now = self.clock()
         changed: list[Change] = []
@@ -230,7 +231,7 @@ class Scheduler:
                     request.output_logprobs.append(
                         {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
                     )
-                reason = self._stop_reason(request, token.token_id, stop_string)
+                reason = self._stop_reason(request, token.token_id, stop_check)
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             if seq.start_pos // bs != request.num_computed_tokens // bs:
@@ -344,7 +345,7 @@ class Scheduler:
         k_max = min(self.config.speculative_tokens, step.tokens_left - 1,
                     request.params.max_tokens - len(request.output_token_ids) - 1,
                     self.max_len(request.tier) - 1 - request.num_tokens)
-        if k_max <= 0:
+        if k_max <= 0 or request.params.grammar is not None:  # a grammar masks one token at a time
             return []
         entry = self._entries[request.request_id]
         if entry.ngrams is None:
@@ -459,10 +460,11 @@ class Scheduler:
         self.policy.queued(victim)
         preempted.append(rid)
 
-    def _stop_reason(self, request: Request, token_id: int, stop_string: StopString | None) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, stop_check: StopCheck | None) -> str | None:
         params = request.params
-        if stop_string is not None and stop_string(request, token_id):  # first: it wins over length, as in OpenAI
-            return "stop"
+        outside = stop_check(request, token_id) if stop_check is not None else None
+        if outside is not None:  # first: a stop string wins over length, as in OpenAI
+            return outside
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_len(request.tier):

@@ -15,6 +15,7 @@ from tollway.scheduler.scheduler import QueueFullError
 from tollway.server.call_ids import new_call_id
 from tollway.server.errors import APIError
 from tollway.server.service_tier import WIRE_NAME
+from tollway.server.tools import ToolCallReader, ToolCalling
 from tollway.server.validation import Submission, invalid
 
 
@@ -30,6 +31,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
+    reader: ToolCallReader | None = None  # a stream's, where the output is read as a tool call
 
     def absorb(self, out: RequestOutput) -> None:
         """Fold in the engine's next output."""
@@ -60,6 +62,7 @@ class Generation:
         self.engine_seconds: float | None = None
         self.prompts: list[list[int]] = []
         self.n = 1  # choices per prompt
+        self.tools: ToolCalling | None = None  # a chat whose output is read as a tool call
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
@@ -68,6 +71,7 @@ class Generation:
     async def start(self, engine: AsyncEngine, submission: Submission) -> None:
         """Submit every choice; if any is refused, withdraw the others and raise."""
         self.prompts, self.n = submission.prompts, len(submission.params)
+        self.tools = submission.tools
         try:
             for p, prompt in enumerate(self.prompts):
                 for i, sp in enumerate(submission.params):

@@ -32,19 +32,14 @@ MAX_NAME_CHARS = 256  # model, user, service_tier
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 Stop = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
-_TOOLS = "tools and function calling are not supported yet"
+_FUNCTIONS = "functions and function_call are deprecated: use tools and tool_choice"
 # OpenAI fields tollway does not honour: the values that ask for nothing (accepted), and why any
 # other value is refused.
 NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of is not supported: ask for n choices and pick one"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none"), _TOOLS),
-    "functions": ((None, []), _TOOLS),
-    "function_call": ((None, "none"), _TOOLS),
-    "parallel_tool_calls": ((None, True), _TOOLS),
-    "response_format": ((None, {"type": "text"}),
-                        "only response_format {\"type\": \"text\"} is supported; structured output comes later"),
+    "functions": ((None, []), _FUNCTIONS),
+    "function_call": ((None, "none"), _FUNCTIONS),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only the text modality is supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -165,11 +160,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # server/tools.py checks them
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # a reply makes at most one call, which either value allows
     response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None

@@ -7,6 +7,7 @@ import json
 
 from tollway.outputs import RequestOutput
 from tollway.server.generation import Choice, Generation
+from tollway.server.tools import ToolCallReader, finish_reason
 from tollway.text.tokenizer import Tokenizer
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with options builds an encoder per call
@@ -20,8 +21,12 @@ def event(payload: dict) -> str:
 def final_choice(gen: Generation, c: Choice, echo: bool, tokenizer: Tokenizer) -> dict:
     if gen.kind == "chat":
         lp = {"content": [token_entry(tokenizer, e) for e in c.logprobs]} if c.logprobs else None
-        return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.pieces)}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
+        message, reason = {"role": "assistant", "content": "".join(c.pieces)}, c.finish_reason
+        if gen.tools is not None:
+            reader = ToolCallReader(gen.tools)
+            reader.push(message["content"], True, reason == "stop")
+            message, reason = reader.message(), finish_reason(reader, reason)
+        return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
     prefix = tokenizer.decode(c.prompt_ids) if echo else ""
     lp = completion_logprobs(tokenizer, c.logprobs, len(prefix)) if c.logprobs else None
     return {"index": c.index, "text": prefix + "".join(c.pieces), "logprobs": lp, "finish_reason": c.finish_reason}
@@ -33,11 +38,17 @@ def chunk_choice(gen: Generation, choice: Choice, out: RequestOutput, first: boo
     choice's first chunk."""
     text = out.new_text
     if gen.kind == "chat":
-        delta = {"content": text}
+        reason = choice.finish_reason
+        if gen.tools is None:
+            delta = {"content": text}
+        else:
+            choice.reader = choice.reader or ToolCallReader(gen.tools)
+            delta = choice.reader.push(text, out.finished, reason == "stop")
+            reason = finish_reason(choice.reader, reason)
         if first:
             delta["role"] = "assistant"
         lp = {"content": [token_entry(tokenizer, e) for e in out.new_logprobs]} if out.new_logprobs else None
-        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
     if echo and first:
         text = tokenizer.decode(choice.prompt_ids) + text
     offset = choice.text_len - len(out.new_text)

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from tollway.request import InvalidRequest, SamplingParams, check_prompt_length
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tollway.server.structured_output import response_grammar
+from tollway.server.tools import ToolCalling, conversation, tool_calling
 from tollway.text.tokenizer import Tokenizer
 
 MAX_TAGS = 16
@@ -32,6 +34,7 @@ class Submission:
     params: list[SamplingParams]  # one per choice, the same for every prompt
     tags: list[str]
     echo: bool  # completions only: the prompt's text leads each choice's
+    tools: ToolCalling | None = None  # chat only: how its output is read as a tool call
 
     @property
     def num_requests(self) -> int:
@@ -66,8 +69,11 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
                             f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
     logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
-    params = [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
-    return Submission("chat" if chat else "completion", prompts, params, tags, not chat and req.echo)
+    calling, grammar = tool_calling(req, tokenizer.renders_tools) if chat else (None, None)
+    if chat and grammar is None:
+        grammar = response_grammar(req.response_format)
+    params = [sampling_params(req, max_tokens, logprobs, i, grammar) for i in range(req.n)]
+    return Submission("chat" if chat else "completion", prompts, params, tags, not chat and req.echo, calling)
 
 
 def invalid(e: InvalidRequest, chat: bool) -> APIError:
@@ -105,7 +111,8 @@ def request_tags(req: SamplingFields, header: str | None) -> list[str]:
     return tags
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int,
+                    grammar: str | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
@@ -113,7 +120,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         seed=None if req.seed is None else req.seed + n_index, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         min_tokens=req.min_tokens, frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0, logit_bias=token_biases(req.logit_bias),
+        presence_penalty=req.presence_penalty or 0.0, logit_bias=token_biases(req.logit_bias), grammar=grammar,
     )
     try:
         params.validate()
@@ -136,8 +143,10 @@ def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tok
         for m in messages:  # OpenAI's content parts: keep the text ones
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
+        messages = conversation(messages, req.tools, tokenizer.renders_tools)
         try:
-            text = tokenizer.apply_chat_template(messages, template_kwargs=req.chat_template_kwargs)
+            text = tokenizer.apply_chat_template(messages, template_kwargs=req.chat_template_kwargs,
+                                                 tools=req.tools if tokenizer.renders_tools else None)
         except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return [tokenizer.encode(text, add_special_tokens=False)]

@@ -40,6 +40,8 @@ class Tokenizer:
             eos.append(backend.token_to_id(_END_OF_TURN))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self._template = _jinja_env().from_string(chat_template) if chat_template else None
+        # A template that reads a `tools` variable shows the model the tools it may call.
+        self.renders_tools = bool(chat_template) and "tools" in chat_template
         # Byte-fallback tokens (<0x00>..<0xFF>): text decoded from a run of them can change as the run grows.
         byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(backend.model, "byte_fallback", False) else ()
         self._byte_token_ids = frozenset(i for i in byte_ids if i is not None)
@@ -73,6 +75,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what llguidance builds its own from)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, BOS is prepended when the model wants it.
         Encode a rendered chat template with add_special_tokens=False: the template writes BOS itself."""
@@ -82,12 +88,14 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text for an OpenAI-style message list, in the model's own chat format.
-        `template_kwargs`: further variables for the template (a request's chat_template_kwargs)."""
+        `template_kwargs`: further variables for the template (a request's chat_template_kwargs);
+        `tools`: OpenAI's tool definitions, for a template that renders them (renders_tools)."""
         if self._template is not None:
             return self._template.render({
                 **(template_kwargs or {}),  # below, so that they cannot replace the messages
+                **({"tools": tools} if tools else {}),
                 "messages": messages,
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": self._bos_token or "",

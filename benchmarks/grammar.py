@@ -1,0 +1,125 @@
+"""Structured output's cost: the grammar's mask per token, and a constrained decode step against a
+free one, on the embedded Gemma 3 270M.
+
+    python benchmarks/grammar.py           # about 2 min
+    python benchmarks/grammar.py --quick   # seconds, for development; writes benchmarks/out/ only
+
+Each batch size runs the same prompts three ways: free, response_format json_object, and a
+json_schema. A step's time includes the masks (llguidance, one per constrained row), and a
+constrained step needs the LM head's full logits where a free greedy step takes only its argmax:
+both costs are in the ratio. The mask's own time is what the meter charges the request alone
+(StepResult.own_seconds)."""
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
+
+from llguidance import LLMatcher  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from common import machine_info, run_benchmark  # noqa: E402
+from tollway.config import EngineConfig  # noqa: E402
+from tollway.engine import Engine  # noqa: E402
+from tollway.request import SamplingParams  # noqa: E402
+
+FULL = dict(batches=(1, 16), max_tokens=64, repeats=3)
+QUICK = dict(batches=(1, 4), max_tokens=16, repeats=1)
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["city", "zip"]},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "address", "tags"]}
+OPTIONS = {"whitespace_flexible": False}
+GRAMMARS = {"free": None,
+            "json_object": LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=OPTIONS),
+            "json_schema": LLMatcher.grammar_from_json_schema(SCHEMA, defaults=OPTIONS)}
+TOPICS = ["a person", "a city", "a book", "a car", "a river", "a song", "a dog", "a planet"]
+
+
+def prompt(i: int) -> str:
+    return (f"<start_of_turn>user\nDescribe {TOPICS[i % len(TOPICS)]} (number {i}) as a JSON object."
+            "<end_of_turn>\n<start_of_turn>model\n")
+
+
+def decode(engine: Engine, batch: int, grammar: str | None, max_tokens: int) -> dict:
+    """`batch` requests decoded together: every step's seconds, and the masks' seconds per row."""
+    for i in range(batch):
+        engine.add_request(prompt(i), SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar,
+                                                     ignore_eos=grammar is None), request_id=f"r{i}")
+    steps, masks, tokens = [], [], 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        plan, result = engine.last_plan, engine.last_result
+        if all(s.is_decode for s in plan.seqs):  # decode steps only: prefill is the same either way
+            steps.append(result.seconds)
+            masks += list(result.own_seconds.values())
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    return {"steps": steps, "masks": masks, "tokens": tokens}
+
+
+def run(settings: dict, quick: bool) -> dict:
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(profile_steps=False), progress=True)
+    engine.add_request("warm up", SamplingParams(max_tokens=4, grammar=GRAMMARS["json_object"]))  # builds llguidance's tokenizer
+    while engine.has_unfinished():
+        engine.step()
+    runs: dict = {}
+    jobs = [(b, name) for b in settings["batches"] for name in GRAMMARS] * settings["repeats"]
+    for b, name in tqdm(jobs, desc="grammar", unit="run"):
+        out = decode(engine, b, GRAMMARS[name], settings["max_tokens"])
+        run_ = runs.setdefault(str(b), {}).setdefault(name, {"steps": [], "masks": [], "tokens": 0})
+        run_["steps"] += out["steps"]
+        run_["masks"] += out["masks"]
+        run_["tokens"] += out["tokens"]
+    summary = {}
+    for b, by_mode in runs.items():
+        free = statistics.median(by_mode["free"]["steps"])
+        row = {"free_step_seconds": free}
+        for name in ("json_object", "json_schema"):
+            r = by_mode[name]
+            step, mask = statistics.median(r["steps"]), statistics.median(r["masks"])
+            row[name] = {"step_seconds": step, "step_over_free": step / free, "mask_seconds": mask,
+                         "mask_p99_seconds": sorted(r["masks"])[int(0.99 * (len(r["masks"]) - 1))],
+                         "masks_over_free_step": mask * int(b) / free}
+        summary[b] = row
+    return {
+        "command": "python benchmarks/grammar.py" + (" --quick" if quick else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "settings": settings, "schema": SCHEMA,
+        "runs": {b: {m: {"steps": len(r["steps"]), "masks": len(r["masks"]), "tokens": r["tokens"]}
+                     for m, r in by_mode.items()} for b, by_mode in runs.items()},
+        "summary": summary, "total_seconds": time.perf_counter() - started,
+    }
+
+
+def markdown(r: dict, json_path: str) -> str:
+    m = r["machine"]
+    lines = [
+        f"Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
+        f"{', '.join(m['isa_flags'])}), raw figures in "
+        f"`benchmarks/{json_path}`. Greedy decode steps of the same prompts, free and constrained; a mask is one "
+        "row's, from llguidance; each figure is a median over the run's steps.",
+        "",
+        "| batch | free step ms | mode | step ms | step / free | mask ms (p99) | masks / free step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b, row in r["summary"].items():
+        for name in ("json_object", "json_schema"):
+            x = row[name]
+            lines.append(f"| {b} | {row['free_step_seconds'] * 1e3:.1f} | {name} | {x['step_seconds'] * 1e3:.1f} | "
+                         f"{x['step_over_free']:.2f} | {x['mask_seconds'] * 1e3:.3f} ({x['mask_p99_seconds'] * 1e3:.3f}) | "
+                         f"{x['masks_over_free_step']:.1%} |")
+    lines += ["", "A constrained step also takes the LM head's full logits (a free greedy step takes only its "
+              "argmax in the head's epilogue): that, more than the mask, is what a constrained step costs over a "
+              "free one. The meter charges each mask's time to its own request alone."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_benchmark("grammar", __doc__, run, markdown, FULL, QUICK)
