@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from tollway.request import InvalidRequest
@@ -36,7 +37,6 @@ CLOSING_ZONE = 64  # tokens before max_tokens from which every sampled token is 
 # every one of them is text, so there a completion takes the quote that ends it.
 _CLOSERS = ("}", "]", ",", "0", "false", "null", "[]", "{}", '"', ":")
 _QUOTE, _LETTER = '"', "a"  # a grammar that allows a letter is inside a string
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -93,9 +93,10 @@ class Grammars:
             if state is None or not seq.sample:
                 continue
             start = time.perf_counter()
-            words = torch.empty((self._vocab_size + 31) // 32, dtype=torch.int32)
-            state.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-            masks[seq.request_id] = ((words.unsqueeze(-1) >> _BITS) & 1).view(-1)[:self._vocab_size].bool()
+            words = np.empty((self._vocab_size + 31) // 32, dtype=np.int32)
+            state.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:self._vocab_size]
+            masks[seq.request_id] = torch.from_numpy(bits).bool()
             seconds[seq.request_id] = time.perf_counter() - start
         return masks, seconds
 
@@ -139,10 +140,11 @@ class Grammars:
             else:
                 token = next((t for t in self._closers if _allows(allowed, t)), None)
             if token is None:
-                token = next((8 * i + b for i, byte in enumerate(allowed) if byte for b in range(8) if byte >> b & 1),
-                             None)
-                if token is None:
+                first = np.flatnonzero(np.frombuffer(allowed, dtype=np.uint8))
+                if not first.size:
                     return None
+                byte = allowed[first[0]]
+                token = 8 * int(first[0]) + (byte & -byte).bit_length() - 1
             m.consume_token(token)
             path.append(token)
         return path
