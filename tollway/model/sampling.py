@@ -132,7 +132,7 @@ def _draw_plain(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch
 
 def only_argmax_needed(seqs: list[ScheduledSeq]) -> bool:
     """Whether each row's raw argmax alone decides the step's tokens: all greedy, no logprobs, nothing
-    banned, no penalty or bias."""
+    banned, no penalty, bias or grammar."""
     return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids
                and not s.params.adjusts_logits for s in seqs)
 
