@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report,
                     "bench": bench_cli.bench_main, "compare": bench_cli.compare_main, "profile": sim_cli.profile_main,
-                    "simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main}
+                    "simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main,
+                    "advise": sim_cli.advise_main}
         return commands[args.command](args)
     except ValueError as e:  # bad model path, unsupported architecture, long prompt, bad sampling values
         print(f"tollway: error: {e}", file=sys.stderr)
