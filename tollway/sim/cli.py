@@ -1,4 +1,5 @@
-"""The command lines of the simulator: `tollway profile`, `tollway simulate` and `tollway plan`."""
+"""The command lines of the simulator: `tollway profile`, `tollway simulate`, `tollway plan` and
+`tollway advise`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,25 @@ def add_parsers(sub, add_engine_arguments) -> None:
     plan.add_argument("--usd-per-hour", type=float, help="one replica's price (default: the profile's)")
     plan.add_argument("--quiet", action="store_true")
     bench_cli.add_workload_arguments(plan, prompts_from_text=False)
+    advise = sub.add_parser("advise", help="the cheapest lane (fast, standard, batch) for each class of traffic "
+                                           "that meets its SLOs, by simulating the mix")
+    _add_machine_arguments(advise)
+    source = advise.add_argument_group("classes (one of)")
+    source.add_argument("--classes", help="a TOML file of [classes.<name>] (rate, prompt_tokens, output_tokens, slo)")
+    source.add_argument("--ledger", help="derive the classes from this ledger's SQLite file (read-only)")
+    advise.add_argument("--group-by", default="key", help="ledger: one class per key or per tag")
+    advise.add_argument("--start", help="ledger: from (unix seconds or ISO 8601)")
+    advise.add_argument("--end", help="ledger: until")
+    advise.add_argument("--slo", help="ledger: each class's limits, e.g. ttft=2s,tpot=100ms,chat:tpot=30ms")
+    advise.add_argument("--percentile", type=float, default=99, help="ledger: the SLOs' percentile (default 99)")
+    advise.add_argument("--replicas", type=int, default=1)
+    advise.add_argument("--routing", default="tier_aware", help="round_robin, least_outstanding, tier_aware")
+    advise.add_argument("--requests", type=int, default=1000, help="simulated requests per assignment")
+    advise.add_argument("--seed", type=int, default=0)
+    advise.add_argument("--usd-per-hour", type=float, help="one replica's price (default: the profile's)")
+    advise.add_argument("--output", default="advice", help="the folder for advice.json and advice.html")
+    advise.add_argument("--format", default="table", choices=("table", "json"), help="what to print")
+    advise.add_argument("--quiet", action="store_true")
 
 
 def _hardware_names() -> list[str]:
@@ -185,3 +205,45 @@ def plan_main(args) -> int:
         print(f"tollway plan: no fleet of up to {args.max_replicas} replicas meets the SLOs", file=sys.stderr)
         return 1
     return 0
+
+
+def _traffic_classes(args):
+    from tollway.bench.stats import SLO
+    from tollway.meter.ledger import parse_time
+    from tollway.sim.ledger_classes import classes_from_ledger
+    from tollway.sim.traffic_classes import check_percentile, load_classes
+
+    if (args.classes is None) == (args.ledger is None):
+        raise ValueError("give one of --classes (a TOML file) or --ledger")
+    if args.classes:
+        if args.slo or args.start or args.end:
+            raise ValueError("--slo, --start and --end are for --ledger; a TOML file's classes carry their own SLOs")
+        return load_classes(args.classes)
+    if not args.slo:
+        raise ValueError("--ledger needs --slo: the ledger does not say what latency each class needs")
+    return classes_from_ledger(args.ledger, args.group_by, SLO.parse(args.slo),
+                               check_percentile(args.percentile, "--percentile"),
+                               parse_time(args.start, "--start"), parse_time(args.end, "--end"))
+
+
+def advise_main(args) -> int:
+    import json
+
+    from tollway.bench.console import stdout_console
+    from tollway.sim import advice_report
+    from tollway.sim.advisor import Advisor
+
+    classes = _traffic_classes(args)
+    machine = _machine(args)
+    if args.usd_per_hour is not None:
+        machine.usd_per_hour = args.usd_per_hour
+    advice = Advisor(_scheduler_config(args), machine, classes, args.replicas, args.routing, args.requests,
+                     args.seed).advise(progress=not args.quiet)
+    json_path, html_path = advice_report.write(advice, Path(args.output))
+    if args.format == "json":
+        print(json.dumps(advice.to_dict(), indent=1))
+    else:
+        stdout_console().print(advice_report.table(advice))
+        print(advice_report.summary_line(advice))
+    print(f"tollway advise: wrote {json_path} and {html_path}", file=sys.stderr)
+    return 0 if all(c.lane for c in advice.classes) else 1
