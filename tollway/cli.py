@@ -54,6 +54,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
     serve.add_argument("--sse-keep-alive", type=float, metavar="SECONDS",
                        help="send a stream that has been silent this long a keep-alive comment (default 15)")
+    serve.add_argument("--canary-share", type=float, metavar="SHARE",
+                       help="promote this share (0-1) of requests sent with service_tier auto or none, from keys "
+                            "entitled to fast, to the fast lane, to compare with the rest: tollway report --canary")
+    serve.add_argument("--canary-seed", type=int, help="the seed of the canary's hash of request ids (default 0)")
+    serve.add_argument("--canary-key", action="append", default=[], metavar="NAME",
+                       help="only this key's requests are in the canary; repeat for more")
+    serve.add_argument("--canary-tag", action="append", default=[], metavar="TAG",
+                       help="only requests with this tag are in the canary; repeat for more")
+    serve.add_argument("--canary-bill-promoted", action="store_true",
+                       help="bill promoted requests at the fast price (default: standard's, the difference "
+                            "recorded as the canary's cost)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                        help="uvicorn's log level; at info and below, every request is logged (the access log). "
                             "With --replicas: the ingress's, each replica's and Ray Serve's")
@@ -78,6 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--start", help="ledger: from (unix seconds or ISO 8601)")
     report.add_argument("--end", help="ledger: until")
     add_ledger_arguments(report)
+    report.add_argument("--canary", action="store_true",
+                        help="ledger: the canary's promoted requests against its control (tollway serve "
+                             "--canary-share): latency and money, with bootstrap 95%% intervals")
     report.add_argument("--output", default=bench_cli.DEFAULT_OUTPUT, help="bench files: the report's folder")
     report.add_argument("--slo", help="bench files: recompute goodput under these limits")
     report.add_argument("--usd-per-hour", type=float, help="bench files: recompute cost at this price")
@@ -127,13 +141,20 @@ def _usage(args) -> int:
 
 def _report(args) -> int:
     if args.files:
-        if args.ledger or args.start or args.end:
-            raise ValueError("report: give bench JSON files or ledger options (--ledger, --start, --end), not both")
+        if args.ledger or args.start or args.end or args.canary:
+            raise ValueError("report: give bench JSON files or ledger options (--ledger, --start, --end, --canary), "
+                             "not both")
         return bench_cli.report_main(args)
     from tollway.meter.ledger import parse_time
     from tollway.meter.report import economics, format_report
 
-    print(format_report(economics(_open_ledger(args), parse_time(args.start, "--start"), parse_time(args.end, "--end"))))
+    window = parse_time(args.start, "--start"), parse_time(args.end, "--end")
+    if args.canary:
+        from tollway.meter.canary_report import compare, format_canary
+
+        print(format_canary(compare(_open_ledger(args).canary_rows(*window))))
+        return 0
+    print(format_report(economics(_open_ledger(args), *window)))
     return 0
 
 
@@ -246,6 +267,12 @@ def _serve(args) -> int:
                         (args.sse_keep_alive, "sse_keep_alive")):
         if value is not None:
             setattr(server, name, value)
+    for value, name in ((args.canary_share, "share"), (args.canary_seed, "seed"),
+                        (args.canary_key or None, "keys"), (args.canary_tag or None, "tags"),
+                        (args.canary_bill_promoted or None, "bill_promoted")):
+        if value is not None:
+            setattr(server.canary, name, value)
+    server.canary.validate()
     server.keys += [KeySpec(key) for key in args.api_key + api_keys_from_environment()]
     server.keys += [KeySpec(key, "admin", admin=True) for key in args.admin_key]
     config = engine_config(args)
@@ -267,7 +294,7 @@ def _serve(args) -> int:
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter,
-                               keep_alive=server.sse_keep_alive), host=server.host,
+                               keep_alive=server.sse_keep_alive, canary=server.canary), host=server.host,
                     port=server.port, **uvicorn_logging(args.log_level))
     finally:
         engine.shutdown()

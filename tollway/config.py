@@ -278,6 +278,26 @@ class MeterConfig:
 
 
 @dataclass
+class CanaryConfig:
+    """A share of eligible requests promoted to the fast lane, to measure what fast mode buys.
+    Eligible: service_tier "auto" or none, from a key entitled to fast, narrowed to `keys`
+    (names) and `tags` where given. Which requests is a seeded hash of the request id
+    (tollway/server/canary.py), so anyone with the seed can audit the split from the ledger."""
+
+    share: float = 0.0  # of eligible requests; 0: off
+    seed: int = 0
+    keys: list[str] = field(default_factory=list)  # only these keys' requests (empty: every key's)
+    tags: list[str] = field(default_factory=list)  # only requests with one of these tags (empty: any)
+    # False: a promoted request is billed at the standard price and the fast premium it was
+    # not billed is recorded as the canary's cost. True: billed at the fast price.
+    bill_promoted: bool = False
+
+    def validate(self) -> None:
+        if not 0 <= self.share <= 1:
+            raise ValueError(f"canary share must be in [0, 1], got {self.share!r}")
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -291,14 +311,15 @@ class ServerConfig:
     # keep-alive comment: under the 60 s idle timeout of most proxies.
     sse_keep_alive: float = 15.0
     meter: MeterConfig = field(default_factory=MeterConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
 
 def load_config(path: str | Path) -> EngineConfig:
     """An EngineConfig from TOML: top-level engine fields, a [scheduler] table, and
     [tiers.<name>] tables that override the defaults field by field. ([server], [[keys]],
-    [meter] and [[budgets]] are the server's: load_server_config.)"""
+    [meter], [[budgets]] and [canary] are the server's: load_server_config.)"""
     data = _read_toml(path)
-    for server_only in ("server", "keys", "meter", "budgets"):
+    for server_only in ("server", "keys", "meter", "budgets", "canary"):
         data.pop(server_only, None)
     sched = _table(data.pop("scheduler", {}), "[scheduler]", path)
     tiers = default_tiers()
@@ -313,7 +334,8 @@ def load_config(path: str | Path) -> EngineConfig:
 
 
 def load_server_config(path: str | Path) -> ServerConfig:
-    """The [server] table, [[keys]] entries, [meter] table and [[budgets]] entries of the same TOML file."""
+    """The [server] table, [[keys]] entries, [meter] table, [[budgets]] entries and [canary]
+    table of the same TOML file."""
     data = _read_toml(path)
     config = _replace(ServerConfig(), _table(data.get("server", {}), "[server]", path), "server", path)
     config.keys = [_replace(KeySpec(key=""), k, "keys", path) for k in _array(data, "keys", path)]
@@ -321,8 +343,10 @@ def load_server_config(path: str | Path) -> ServerConfig:
         key.validate()
     config.meter = _replace(MeterConfig(), _table(data.get("meter", {}), "[meter]", path), "meter", path)
     config.meter.budgets = [_replace(BudgetSpec(limit=0.0), b, "budgets", path) for b in _array(data, "budgets", path)]
+    config.canary = _replace(CanaryConfig(), _table(data.get("canary", {}), "[canary]", path), "canary", path)
     try:
         config.meter.validate()
+        config.canary.validate()
     except ValueError as e:
         raise ValueError(f"config {path}: {e}") from None
     return config
@@ -359,7 +383,7 @@ def _replace(obj, fields: dict, section: str, path):
     known = {f.name: f.type for f in dataclasses.fields(obj)}
     # Fields a table cannot set: tables of their own, or a tier's identity.
     fixed = {EngineConfig: {"scheduler"}, SchedulerConfig: {"tiers"}, TierSpec: {"name"},
-             ServerConfig: {"keys", "meter"}, MeterConfig: {"budgets"}}
+             ServerConfig: {"keys", "meter", "canary"}, MeterConfig: {"budgets"}}
     unknown = set(fields) - (set(known) - fixed.get(type(obj), set()))
     if unknown:
         raise ValueError(f"config {path}: unknown key(s) {', '.join(sorted(unknown))} in {where}")

@@ -137,7 +137,7 @@ class Replica:
         self.engine = ReplicaEngine(Engine(spec.config, progress=False), on_step=metrics.on_step)
         # Every replica runs Batch API jobs; the shared store gives each job to one at a time.
         app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store, meter, spec.secret,
-                         spec.server.sse_keep_alive)
+                         spec.server.sse_keep_alive, spec.server.canary)
         host = host or ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -21,6 +21,8 @@ GROUPS = ("key", "tier", "tag", "model")
 # $0.05 per million costs 0.05 of one.
 NANOS = 10**9
 MONEY = ("cost", "price")
+ROW_MONEY = MONEY + ("canary_cost",)  # a row's money; usage sums MONEY
+PROMOTED, CONTROL = "promoted", "control"  # a canary-eligible request's arm (LedgerRow.canary)
 
 
 def to_nanos(dollars: float) -> int:
@@ -61,7 +63,9 @@ CREATE TABLE IF NOT EXISTS requests (
     cost_nanos BIGINT NOT NULL,       -- engine_seconds x the machine's price, in nano-dollars
     price_nanos BIGINT NOT NULL,      -- billed from the price card, in nano-dollars
     finish_reason TEXT,
-    tags TEXT NOT NULL                -- JSON list, also in request_tags
+    tags TEXT NOT NULL,               -- JSON list, also in request_tags
+    canary TEXT,                      -- 'promoted' | 'control' for a canary-eligible request
+    canary_cost_nanos BIGINT NOT NULL DEFAULT 0  -- fast premium not billed to a promoted request
 );
 CREATE INDEX IF NOT EXISTS requests_created ON requests(created);
 CREATE INDEX IF NOT EXISTS requests_key ON requests(key, created);
@@ -99,6 +103,8 @@ class LedgerRow:
     price: float
     finish_reason: str | None
     tags: list[str] = field(default_factory=list)
+    canary: str | None = None  # "promoted" | "control" where the canary could have promoted it
+    canary_cost: float = 0.0  # the fast price less the billed one, for a promoted request billed as standard
 
 
 class Ledger:
@@ -109,6 +115,9 @@ class Ledger:
         # Ledgers written before money was exact kept dollars as floats in `cost` and `price`.
         with self.database.schema_transaction() as db:
             migrate_float_money(db, "requests", {name: f"{name}_nanos" for name in MONEY})
+            if "canary" not in db.columns("requests"):  # ledgers from before the canary
+                db.execute("ALTER TABLE requests ADD COLUMN canary TEXT")
+                db.execute("ALTER TABLE requests ADD COLUMN canary_cost_nanos BIGINT NOT NULL DEFAULT 0")
 
     def record(self, row: LedgerRow) -> None:
         """Insert the row and its tags in one transaction, durable when this returns."""
@@ -120,7 +129,7 @@ class Ledger:
         """Insert the row and its tags in the caller's transaction."""
         values = asdict(row)
         values["tags"] = json.dumps(row.tags)
-        for name in MONEY:
+        for name in ROW_MONEY:
             values[f"{name}_nanos"] = to_nanos(values.pop(name))
         db.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
                    list(values.values()))
@@ -132,11 +141,23 @@ class Ledger:
         return db.execute("SELECT 1 FROM requests WHERE id = ?", (request_id,)).fetchone() is not None
 
     def rows(self, start: float | None = None, end: float | None = None) -> list[LedgerRow]:
+        return self._rows(*_window(start, end))
+
+    def canary_rows(self, start: float | None = None, end: float | None = None,
+                    key: str | None = None) -> list[LedgerRow]:
+        """The canary's requests (promoted or control) in [start, end), optionally only one key's."""
         where, args = _window(start, end)
+        where += (" AND " if where else "WHERE ") + "canary IS NOT NULL"
+        if key is not None:
+            where += " AND key = ?"
+            args.append(key)
+        return self._rows(where, args)
+
+    def _rows(self, where: str, args: list) -> list[LedgerRow]:
         out = []
         for values in self._dicts(f"SELECT * FROM requests {where} ORDER BY created", args):
             values["tags"] = json.loads(values["tags"])
-            for name in MONEY:
+            for name in ROW_MONEY:
                 values[name] = to_dollars(values.pop(f"{name}_nanos"))
             out.append(LedgerRow(**values))
         return out

@@ -19,6 +19,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tollway.async_engine import AsyncEngine
+from tollway.config import CanaryConfig
 from tollway.meter.meter import Meter
 from tollway.server import completions, errors, status, usage
 from tollway.server.batch_api import batch_router
@@ -33,15 +34,16 @@ from tollway.storage.database import Database
 def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
                meter: Meter | None = None, fleet_secret: str | None = None,
-               keep_alive: float = DEFAULT_INTERVAL) -> FastAPI:
+               keep_alive: float = DEFAULT_INTERVAL, canary: CanaryConfig | None = None) -> FastAPI:
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
     `batch_dir` holds the Batch API's files and jobs: a folder, or the fleet's Database (None: no
     Batch API). `meter` attributes engine time, keeps the ledger and enforces budgets (None: no
     metering); /metrics and /dashboard then show its cost per lane and its budgets.
     `fleet_secret`: a fleet replica's, with which its ingress names calls (call_ids.py).
-    `keep_alive`: the seconds a stream may go silent before it sends a keep-alive comment."""
-    svc = Service(engine, model_name, metrics, gatekeeper, batch_dir, meter, fleet_secret, keep_alive)
+    `keep_alive`: the seconds a stream may go silent before it sends a keep-alive comment.
+    `canary`: the share of eligible traffic promoted to the fast lane (None: none)."""
+    svc = Service(engine, model_name, metrics, gatekeeper, batch_dir, meter, fleet_secret, keep_alive, canary)
     runner = svc.batch_runner
 
     @asynccontextmanager

@@ -56,7 +56,8 @@ async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest,
                    tags_header: str | None, call: str | None) -> Response:
     tier = svc.gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
     sub = svc.validate(req, tags_header)
-    gen, headers = await svc.start(sub, tier, key, call)
+    gen, headers = await svc.start(sub, tier, key, call,
+                                   canary_eligible=svc.canary.eligible(key, sub.tags, req.service_tier))
     headers["x-request-id"] = gen.id
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -55,6 +55,8 @@ class Generation:
         self.created = int(self.arrived)
         self.model = model
         self.tier = tier
+        self.billed_tier = tier  # the canary bills a promoted call as standard unless told otherwise
+        self.canary: str | None = None  # its canary arm, where it was eligible (canary.py)
         self.key, self.tags = "", []  # the API key's name and the request's tags, for the ledger
         self.metered = False  # watched by the meter and not yet settled
         self.cost: float | None = None  # set when settled
@@ -199,12 +201,13 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
     first_tokens = [o.first_token_time for o in outs if o.first_token_time is not None]
     seconds = meter.release(gen.request_ids(len(gen.prompts) * gen.n))  # all watched, added or not
     finish = {c.finish_reason or "abort" for c in gen.choices}
+    price = meter.price_card.billed(gen.billed_tier, prompt, completion)
     return LedgerRow(
         id=gen.id, created=gen.arrived, key=gen.key, tier=gen.tier, model=gen.model,
         prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
         queue_seconds=min(scheduled) - arrival if scheduled else None,
         ttft_seconds=min(first_tokens) - arrival if first_tokens else None,
         e2e_seconds=time.time() - gen.arrived, engine_seconds=seconds, cost=meter.cost(seconds),
-        price=meter.price_card.billed(gen.tier, prompt, completion),
-        finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
+        price=price, finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
+        canary=gen.canary, canary_cost=meter.price_card.billed(gen.tier, prompt, completion) - price,
     )

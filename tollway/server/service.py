@@ -9,11 +9,12 @@ from pathlib import Path
 from fastapi import Header, Request
 
 from tollway.async_engine import AsyncEngine
-from tollway.config import KeySpec
+from tollway.config import CanaryConfig, KeySpec
 from tollway.meter.budgets import BudgetExceeded
 from tollway.meter.meter import Meter
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
+from tollway.server.canary import PROMOTED, Canary
 from tollway.server.errors import APIError
 from tollway.server.generation import Generation, ledger_row
 from tollway.server.keep_alive import DEFAULT_INTERVAL
@@ -29,9 +30,11 @@ from tollway.storage.database import Database
 class Service:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                  gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
-                 meter: Meter | None = None, fleet_secret: str | None = None, keep_alive: float = DEFAULT_INTERVAL):
+                 meter: Meter | None = None, fleet_secret: str | None = None, keep_alive: float = DEFAULT_INTERVAL,
+                 canary: CanaryConfig | None = None):
         """See create_app (app.py) for what each is."""
         self.engine, self.model_name, self.metrics, self.meter = engine, model_name, metrics, meter
+        self.canary = Canary(canary or CanaryConfig())
         self.keep_alive = keep_alive
         self.gatekeeper = gatekeeper or Gatekeeper([])
         self.fleet_secret = fleet_secret
@@ -55,16 +58,23 @@ class Service:
         return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
 
     async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None,
-                    owner: str | None = None) -> tuple[Generation, dict[str, str]]:
+                    owner: str | None = None, canary_eligible: bool = False) -> tuple[Generation, dict[str, str]]:
         """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a
-        fleet's ingress gave it; `owner`: the key's, when it came from Gatekeeper.key_of.
+        fleet's ingress gave it; `owner`: the key's, when it came from Gatekeeper.key_of;
+        `canary_eligible`: the canary may promote it (Canary.eligible).
         Returns the call and the x-ratelimit-* headers of its key."""
         meter = self.meter
         gen = Generation(sub.kind, self.model_name, tier, call)
         gen.key, gen.tags = key.name if key else "", sub.tags
+        if canary_eligible:
+            gen.canary = self.canary.arm(gen.id)  # by the call's id, known only now
+            if gen.canary == PROMOTED:
+                gen.tier = "fast"
+                gen.billed_tier = "fast" if self.canary.config.bill_promoted else tier
         ids = gen.request_ids(sub.num_requests)
         if meter is not None:
-            most = meter.price_card.billed(tier, sub.prompt_tokens, sub.most_output_tokens)  # the most it can be billed
+            # the most it can be billed
+            most = meter.price_card.billed(gen.billed_tier, sub.prompt_tokens, sub.most_output_tokens)
             try:
                 await asyncio.to_thread(meter.budgets.reserve, gen.id, gen.key, sub.tags, most)
             except BudgetExceeded as e:
