@@ -15,9 +15,10 @@ come from the final assignment with only that class moved. A class that no lane 
 keeps its lane and is reported as such.
 
 A class meets its SLOs when its TTFT and its TPOT at its percentile are within the limits;
-a refused or failed request counts as one past them. Its cost is its share of the fleet's
-price over the run, split by the engine time the meter attributed to each request (the
-bench's rule for tiers), so what one lane's capped steps hold idle is charged to it.
+a refused or failed request counts as one past them. Its cost is what the meter charges: the
+engine time attributed to its requests at the machine's price (the ledger's `cost`), so what
+the fast lane's capped steps hold idle is charged to it, and idle time to no one (the fleet's
+$/hour is reported beside it).
 """
 from __future__ import annotations
 
@@ -138,8 +139,12 @@ class Advisor:
 
     def _judge(self, assignment: tuple[str, ...], requests: list[dict]) -> list[LaneOutcome]:
         # Records come back in arrival order, which is the trace's: record i is arrival i.
-        records = [RequestRecord(**{**r, "tier": self.classes[self.owner[r["index"] - 1]].name}) for r in requests]
-        summary = summarize(records, SLO({}), self.machine.usd_per_hour * self.replicas)
+        per_second = self.machine.usd_per_hour / 3600
+        records = [RequestRecord(**{**r, "tier": self.classes[self.owner[r["index"] - 1]].name,
+                                    "cost": None if r["engine_seconds"] is None else r["engine_seconds"] * per_second})
+                   for r in requests]
+        # priced=False: the cost is the requests' own (usage.cost), not the machine's idle time too.
+        summary = summarize(records, SLO({}), None)
         self._mix_cost[assignment] = summary["all"]["cost_per_m_output"]
         out = []
         for c, lane in zip(self.classes, assignment):
