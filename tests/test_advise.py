@@ -14,7 +14,7 @@ from tollway.cli import main
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.sim.advisor import Advisor
 from tollway.sim.ledger_classes import classes_from_ledger
-from tollway.sim.traffic_classes import load_classes, make_class
+from tollway.sim.traffic_classes import load_classes
 
 MIX = """
 [classes.chat]
