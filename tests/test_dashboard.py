@@ -167,6 +167,7 @@ def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traff
         assert values["fast-cost"].startswith("$") and values["fast-ttft-p50"].endswith(("ms", " s"))
         header = ("tokens-per-s", "steps-per-s", "busy", "steps", "price", "prefix-detail")
         assert all(values[k] != "—" for k in header)
+        assert values["canary"] == "canary off"  # its live figures: test_canary.py
     assert {p["name"] for p in panels} == {"lanes", "steps", "cache", "budgets", "economics"}
     for panel in panels:
         assert panel["svgs"], panel["name"]

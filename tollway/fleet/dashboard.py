@@ -87,6 +87,7 @@ def merge(replicas: list[ReplicaState], bodies: dict[int, dict]) -> dict:
                       "points": [pt for p in parts for pt in p["economics"]["points"]],
                       "by_replica": [{"replica": i, "bins": p["economics"]["bins"]} for i, p in bodies.items()]},
         "budgets": first["budgets"],  # the ledger is the fleet's: every replica reads the same burn
+        "canary": first.get("canary"),  # read from the same shared ledger too
         "replicas": [_replica(r, bodies.get(r.index)) for r in replicas],
     }
 

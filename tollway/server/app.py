@@ -61,7 +61,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     errors.install(app)
     for module in (status, usage, completions):
         app.include_router(module.router)
-    app.include_router(dashboard_router(svc.stats, svc.gatekeeper, model_name, meter))
+    app.include_router(dashboard_router(svc.stats, svc.gatekeeper, model_name, meter, svc.canary))
     if runner is not None:
         app.include_router(batch_router(svc.batch_store, runner, caller))
     return app

@@ -22,10 +22,14 @@ from importlib.resources import files
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from tollway.meter.canary_report import compare
+from tollway.server.canary import Canary
 from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 
 PAGE = (files(__package__) / "dashboard.html").read_text()
+CANARY_WINDOW = 3600.0  # seconds of the ledger the canary panel compares
+CANARY_REFRESH = 15.0  # seconds between its recomputations: a bootstrap is too dear for every poll
 
 
 def _inline_hash(tag: str) -> str:
@@ -43,8 +47,19 @@ _PAGE_HEADERS = {
 }
 
 
-def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, meter=None) -> APIRouter:
+def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, meter=None,
+                     canary: Canary | None = None) -> APIRouter:
     router = APIRouter(include_in_schema=False)
+    latest_canary = {"at": 0.0, "body": None}
+
+    def canary_comparison(now: float) -> dict | None:
+        """The canary's last hour, recomputed at most every CANARY_REFRESH seconds; None when it is off."""
+        if meter is None or canary is None or not canary.on:
+            return None
+        if now - latest_canary["at"] >= CANARY_REFRESH:
+            body = compare(meter.ledger.canary_rows(now - CANARY_WINDOW))
+            latest_canary.update(at=now, body={"window": CANARY_WINDOW, "share": canary.config.share, **body})
+        return latest_canary["body"]
 
     def admin(authorization: str | None = Header(default=None), key: str | None = Query(default=None)) -> None:
         gatekeeper.authenticate_admin(authorization or (f"Bearer {key}" if key else None))
@@ -56,9 +71,11 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
     @router.get("/dashboard/data", dependencies=[Depends(admin)])
     async def data(samples: bool = False) -> JSONResponse:
         budgets = await asyncio.to_thread(meter.budgets.burn) if meter is not None else []  # may read the ledger
-        body = {"model": model_name, "now": time.time(),
+        now = time.time()
+        body = {"model": model_name, "now": now,
                 "price_per_hour": meter.price_card.price_per_hour if meter is not None else None,
-                **stats.snapshot(samples), "budgets": budgets}
+                **stats.snapshot(samples), "budgets": budgets,
+                "canary": await asyncio.to_thread(canary_comparison, now)}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router
