@@ -81,16 +81,17 @@ def summary(report: dict) -> str:
     tpot, cost = report["metrics"]["tpot_p50"], report["metrics"]["cost_per_m_output"]
     if tpot["ratio"] is None or cost["ratio"] is None:
         return "fast mode: not enough promoted and control requests with 2+ output tokens to compare yet"
-    change = "cut" if tpot["ratio"] < 1 else "raised"
-    percent = f"{abs(1 - tpot['ratio']):.0%}"
+    cut = tpot["ratio"] < 1
+    sign = -1 if cut else 1  # the change in the direction named, so a cut reads as a positive share
+    percent = f"{sign * (tpot['ratio'] - 1):.0%}"
     if tpot["ci"] is not None:
-        lo, hi = sorted(abs(1 - r) for r in tpot["ci"])
+        lo, hi = sorted(sign * (r - 1) for r in tpot["ci"])
         percent += f" [{lo:.0%}–{hi:.0%}]"
     times = f"{cost['ratio']:.2f}×"
     if cost["ci"] is not None:
         times += f" [{cost['ci'][0]:.2f}–{cost['ci'][1]:.2f}×]"
     caveat = "" if tpot["significant"] and cost["significant"] else " (not significant at 95%)"
-    return (f"fast mode {change} TPOT p50 by {percent} for {times} engine cost per output token{caveat}; "
+    return (f"fast mode {'cut' if cut else 'raised'} TPOT p50 by {percent} for {times} engine cost per output token{caveat}; "
             f"n = {tpot['n'][PROMOTED]} promoted, {tpot['n'][CONTROL]} control")
 
 
