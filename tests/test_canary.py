@@ -165,3 +165,33 @@ def test_the_canary_table_and_its_bad_values(tmp_path):
     config.write_text("[canary]\nportion = 0.1\n")
     with pytest.raises(ValueError, match="unknown key"):
         load_server_config(config)
+
+
+def test_bill_promoted_bills_the_fast_price_with_no_canary_cost(make_engine, tmp_path):
+    meter = make_meter(tmp_path / "ledger.sqlite")
+    for details in running_server(make_engine(kernel="int8"), meter=meter,
+                                  canary=CanaryConfig(share=1.0, bill_promoted=True)):
+        with _client(details, "unused") as client:
+            calls = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2) for _ in range(5)]
+    assert {c.service_tier for c in calls} == {"priority"}
+    fast = meter.price_card.tiers["fast"]
+    for row in meter.ledger.rows():
+        assert (row.tier, row.canary, row.canary_cost) == ("fast", "promoted", 0.0)
+        assert row.price == pytest.approx((row.prompt_tokens * fast.price_input_per_m
+                                           + row.completion_tokens * fast.price_output_per_m) / 1e6)
+
+
+def test_a_ledger_from_before_the_canary_gains_its_columns(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:  # the requests table as it was, with one row
+        db.execute("CREATE TABLE requests (id TEXT PRIMARY KEY, created REAL NOT NULL, key TEXT NOT NULL, "
+                   "tier TEXT NOT NULL, model TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens "
+                   "INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, queue_seconds REAL, ttft_seconds REAL, "
+                   "e2e_seconds REAL NOT NULL, engine_seconds REAL NOT NULL, cost_nanos BIGINT NOT NULL, "
+                   "price_nanos BIGINT NOT NULL, finish_reason TEXT, tags TEXT NOT NULL)")
+        db.execute("INSERT INTO requests VALUES ('old', 1.0, 'k', 'standard', 'm', 1, 1, 0, NULL, NULL, 1.0, 0.5, "
+                   "10, 20, 'stop', '[]')")
+    ledger = make_meter(path).ledger
+    (row,) = ledger.rows()
+    assert (row.id, row.canary, row.canary_cost, row.price) == ("old", None, 0.0, 20e-9)
+    assert ledger.canary_rows() == []
