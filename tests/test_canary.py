@@ -125,8 +125,6 @@ def test_the_report_equals_figures_recomputed_from_the_ledger(server, cheap_call
         assert figure["n"] == {arm: figures[arm][counted] for arm in figures}
         lo, hi = figure["ci"]
         assert lo <= hi and figure["significant"] == (not lo <= 1 <= hi)
-    # The fast lane's engine time costs more per token than standard's, by the meter.
-    assert comparison["metrics"]["cost_per_m_output"]["ratio"] > 1
     assert comparison["canary_cost"] == pytest.approx(sum(r["canary_cost_nanos"] for r in rows) / 1e9)
 
     assert main(["report", "--canary", "--ledger", str(server["ledger"])]) == 0
