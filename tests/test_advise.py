@@ -1,7 +1,7 @@
 """The mode advisor (tollway advise): on a small linear profile, a class with a tight TPOT SLO
 gets the fast lane and a loose one the cheapest lane that serves it; a class no lane can serve
-is reported as such; bad TOML is refused in one line; the CLI writes JSON and HTML; classes
-are derived from a real ledger file."""
+is reported as such; a real run's records are judged as simulated ones are; bad TOML is refused
+in one line; the CLI writes JSON and HTML; classes are derived from a real ledger file."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,13 @@ import json
 import pytest
 
 from test_sim import config, linear_profile
+from tollway.bench.client import RequestRecord
 from tollway.bench.stats import SLO
 from tollway.cli import main
 from tollway.meter.ledger import Ledger, LedgerRow
-from tollway.sim.advisor import Advisor
+from tollway.sim.advisor import Advisor, judge_class
 from tollway.sim.ledger_classes import classes_from_ledger
-from tollway.sim.traffic_classes import load_classes
+from tollway.sim.traffic_classes import load_classes, make_class
 
 MIX = """
 [classes.chat]
@@ -69,6 +70,20 @@ def test_a_class_no_lane_can_serve_is_reported(advice):
     assert set(impossible.lanes) == {"fast", "standard", "batch"}
     assert all(not o.meets and o.why_not.startswith("misses the SLO: TPOT") for o in impossible.lanes.values())
     assert advice.to_dict()["assignment"] == {"chat": "fast", "bulk": advice.classes[1].lane, "impossible": None}
+
+
+def test_a_measured_class_is_judged_as_a_simulated_one():
+    """judge_class, which benchmarks/advise_check.py applies to a real run's records: a failed
+    request is past every limit, so one in a hundred misses a p99 SLO."""
+    chat = make_class("chat", 1, 8, 9, "ttft=500ms,tpot=50ms", 99, ["fast"], "chat")
+    records = [RequestRecord(i, "real", "priority", False, 8, 9, sent=float(i), first_token=i + 0.1,
+                             end=i + 0.1 + 8 * 0.04, output_tokens=9) for i in range(100)]
+    served = judge_class(chat, "fast", records, 1.5)
+    assert served.meets and served.failed == 0 and served.cost_per_m_output == 1.5
+    assert served.ttft_p99 == pytest.approx(0.1) and served.tpot_p99 == pytest.approx(0.04)
+    records[0] = RequestRecord(0, "real", "priority", False, 8, 9, sent=0.0, end=0.2, error="http_429")
+    refused = judge_class(chat, "fast", records, 1.5)
+    assert not refused.meets and refused.failed == 1 and refused.ttft_at is None and refused.tpot_at is None
 
 
 @pytest.mark.parametrize("text, message", [

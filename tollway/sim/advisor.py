@@ -108,6 +108,21 @@ def class_trace(classes: list[TrafficClass], requests: int, seed: int) -> tuple[
     return [TraceRow(t, "", p, o) for t, _, p, o in arrivals], [i for _, i, _, _ in arrivals]
 
 
+def judge_class(c: TrafficClass, lane: str, records: list[RequestRecord],
+                cost_per_m_output: float | None) -> LaneOutcome:
+    """A class's outcome in a lane from its requests' records, simulated or measured (the
+    advise_check benchmark judges a real run with it)."""
+    latencies = [request_latencies(r) for r in records]
+    # A failed request is past every limit; TPOT is undefined for one-token replies.
+    ttfts = [x["ttft"] if x["ttft"] is not None else math.inf for x in latencies]
+    tpots = [math.inf if x["ttft"] is None else x["tpot"] for x in latencies
+             if x["ttft"] is None or x["tpot"] is not None]
+    at = {"ttft": percentile(ttfts, c.percentile), "tpot": percentile(tpots, c.percentile)}
+    meets = bool(records) and all(at[m] is not None and at[m] <= limit for m, limit in c.slo.items())
+    return LaneOutcome(lane, meets, _finite(percentile(ttfts, 0.99)), _finite(percentile(tpots, 0.99)),
+                       _finite(at["ttft"]), _finite(at["tpot"]), cost_per_m_output, sum(not r.ok for r in records))
+
+
 class Advisor:
     def __init__(self, config: SchedulerConfig, machine: MachineProfile, classes: list[TrafficClass],
                  replicas: int = 1, routing: str = "tier_aware", requests: int = 1000, seed: int = 0):
@@ -146,21 +161,9 @@ class Advisor:
         # priced=False: the cost is the requests' own (usage.cost), not the machine's idle time too.
         summary = summarize(records, SLO({}), None)
         self._mix_cost[assignment] = summary["all"]["cost_per_m_output"]
-        out = []
-        for c, lane in zip(self.classes, assignment):
-            mine = [r for r in records if r.tier == c.name]
-            latencies = [request_latencies(r) for r in mine]
-            # A failed request is past every limit; TPOT is undefined for one-token replies.
-            ttfts = [x["ttft"] if x["ttft"] is not None else math.inf for x in latencies]
-            tpots = [math.inf if x["ttft"] is None else x["tpot"] for x in latencies
-                     if x["ttft"] is None or x["tpot"] is not None]
-            at = {"ttft": percentile(ttfts, c.percentile), "tpot": percentile(tpots, c.percentile)}
-            meets = bool(mine) and all(at[m] is not None and at[m] <= limit for m, limit in c.slo.items())
-            metrics = summary["tiers"].get(c.name, {})
-            out.append(LaneOutcome(lane, meets, _finite(percentile(ttfts, 0.99)), _finite(percentile(tpots, 0.99)),
-                                   _finite(at["ttft"]), _finite(at["tpot"]), metrics.get("cost_per_m_output"),
-                                   sum(not r.ok for r in mine)))
-        return out
+        return [judge_class(c, lane, [r for r in records if r.tier == c.name],
+                            summary["tiers"].get(c.name, {}).get("cost_per_m_output"))
+                for c, lane in zip(self.classes, assignment)]
 
     def advise(self, max_rounds: int = 4, progress: bool = True) -> Advice:
         assignment = [("standard" if "standard" in c.lanes else c.lanes[0]) for c in self.classes]
