@@ -56,7 +56,7 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     sched, runner = engine.scheduler.config, engine.runner
     warm = profile_plans(sched)  # writes the context the grid's decodes read
     plans = warm + grid_plans(sched, sorted(runner.kernels), grid)
-    timed = [[runner.execute(plan).seconds for _ in range(grid.repeats)]
+    timed = [_timed(runner, plan, grid.repeats)
              for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False)]
     samples = [(plan.shape, statistics.median(times)) for plan, times in zip(plans, timed)]
     middle = plans[len(warm) + (len(plans) - len(warm)) // 2]
@@ -73,6 +73,14 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     return MachineProfile(hardware, engine.config.model, samples_to_json(samples), int8_max_tokens,
                           dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
                           notes=f"tollway profile, {len(samples)} steps")
+
+
+def _timed(runner, plan, repeats: int) -> list[float]:
+    """`plan`'s step times, after one run not timed: a first run of a new shape pays for memory
+    first touched (KV blocks, scratch), up to 10x a warm step, which jitter would otherwise
+    carry into every simulated step."""
+    runner.execute(plan)
+    return [runner.execute(plan).seconds for _ in range(repeats)]
 
 
 def kernel_choice(sched) -> tuple[int, str]:
