@@ -85,12 +85,12 @@ class Grammars:
         return "length" if state.cut else "stop"
 
     def masks(self, seqs: list[ScheduledSeq]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """For each sampled seq with a matcher: the tokens it may take (a bool per token of the
+        """For each of the sampled `seqs` with a matcher: the tokens it may take (a bool per token of the
         vocabulary), and the seconds that took."""
         masks, seconds = {}, {}
         for seq in seqs:
             state = self._states.get(seq.request_id)
-            if state is None or not seq.sample:
+            if state is None:
                 continue
             start = time.perf_counter()
             words = np.empty((self._vocab_size + 31) // 32, dtype=np.int32)

@@ -74,10 +74,12 @@ def tool_calling(req, renders_tools: bool) -> tuple[ToolCalling | None, str | No
         raise APIError(400, "tool_choice \"auto\" needs a chat template that shows the model its tools, and this "
                             "model's does not: use \"required\" or name a function, or serve a template that renders "
                             "tools (--chat-template)", param="tool_choice")
-    json_grammar(call_schema(functions), strict, "tools")  # refuses a schema that cannot be enforced
     schema = {**call_schema(functions), "x-guidance": {"whitespace_flexible": False, "lenient": not strict}}
-    lark = f"start: call | text\ncall: %json {json.dumps(schema)}\ntext: /[^{{](?s:.)*/\n"
-    return ToolCalling(None, True), LLMatcher.grammar_from_lark(lark)
+    grammar = LLMatcher.grammar_from_lark(f"start: call | text\ncall: %json {json.dumps(schema)}\ntext: /[^{{](?s:.)*/\n")
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise APIError(400, f"the tools' schemas cannot be enforced: {error}", param="tools")
+    return ToolCalling(None, True), grammar
 
 
 def tool_functions(tools: list[Any]) -> dict[str, dict]:
