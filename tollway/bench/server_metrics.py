@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 _SERIES = {"tollway:step_num_sequences": "seqs", "tollway:step_num_tokens": "tokens", "tollway:step_seconds": "seconds"}
@@ -30,7 +30,7 @@ def read_step_totals(text: str) -> dict[str, float] | None:
 
 
 class StepScraper:
-    def __init__(self, http: httpx.AsyncClient, base_url: str, interval: float = 1.0):
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, interval: float = 1.0):
         self.http, self.url, self.interval = http, base_url.rstrip("/") + "/metrics", interval
         self._points: list[dict] = []
         self._last: tuple[float, dict] | None = None
@@ -38,9 +38,9 @@ class StepScraper:
 
     async def scrape(self, clock) -> None:
         try:
-            response = await self.http.get(self.url, timeout=5.0)
-            totals = read_step_totals(response.text) if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            async with self.http.get(self.url, timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                totals = read_step_totals(await response.text()) if response.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             totals = None
         if totals is None:
             self.available = False
