@@ -2,7 +2,7 @@
 within binomial error, by the seeded hash; un-entitled keys and explicit tiers are never in it;
 promoted requests are billed as standard with the difference as the canary's cost; `tollway
 report --canary`, /v1/usage/canary and /dashboard/data agree with figures recomputed from the
-ledger's SQLite file."""
+ledger's SQLite file, and the dashboard shows that comparison in headless Chromium."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 
+from dashboard_browser import ARTIFACTS, dashboard_page, shown_values
 from live_server import MODEL, make_meter, running_server
 from tollway.cli import main
 from tollway.config import CanaryConfig, KeySpec, load_server_config
@@ -136,6 +137,17 @@ def test_the_report_equals_figures_recomputed_from_the_ledger(server, cheap_call
     # The dashboard shows the same comparison (its window, the last hour, holds every row here).
     data = httpx.get(server["url"] + "/dashboard/data", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     assert data["canary"]["share"] == SHARE and data["canary"]["requests"] == comparison["requests"]
+
+
+def test_the_dashboard_shows_the_canary_comparison_in_chromium(server, cheap_calls):
+    data = httpx.get(server["url"] + "/dashboard/data", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    assert data["canary"]["summary"].startswith("fast mode ")
+    with dashboard_page(server["url"], ADMIN) as (view, problems):
+        shown = shown_values(view)["canary"]
+        view.screenshot(path=str(ARTIFACTS / "dashboard-canary.png"), full_page=True)
+    assert problems == {"errors": [], "elsewhere": [], "failed": []}
+    # No traffic meanwhile, and the bootstrap is seeded: the page shows the very comparison fetched.
+    assert shown == f"canary, 30% of eligible requests promoted, last 1.0 h: {data['canary']['summary']}"
 
 
 def test_usage_canary_refuses_a_bad_window(server):

@@ -134,6 +134,18 @@ def test_simulated_engine_seconds_split_the_busy_time():
     assert sum(r["engine_seconds"] for r in records) <= result["simulation"]["busy_seconds"]
 
 
+def test_capacity_held_for_the_fast_lane_is_charged_to_fast_requests_as_the_meter_does():
+    profile = linear_profile(jitter=(1.0,))
+    profile.overhead = [0.0, 0.0]  # every busy second is then runner time, all of it attributed
+    result = run(profile, requests=300, work=workload({"fast": 0.3, "standard": 0.7}))
+    sim, records = result["simulation"], result["stages"][0]["requests"]
+    assert any(r["tier"] == "fast" for r in records)
+    # Every second is someone's: the requests' charges, plus the readiness held after the
+    # last fast request, which no one came to pay. Dropping readiness (as before) broke this.
+    charged = sum(r["engine_seconds"] for r in records)
+    assert charged + sim["readiness_seconds"] == pytest.approx(sim["busy_seconds"], rel=1e-9)
+
+
 def test_the_planners_choice_meets_the_slos_when_simulated_again():
     slo = SLO.parse("ttft=2s,tpot=200ms,fast:tpot=60ms")
     ranked = plan(config(), linear_profile(), workload(), qps=30.0, slo=slo, attainment=0.95, requests=300,

@@ -58,6 +58,8 @@ class Replica:
     outstanding_tokens: int = 0  # prompt + max_tokens of its unfinished requests (for routing)
     in_flight: tuple[StepPlan, float] | None = None  # the running step and its runner seconds
     busy_seconds: float = 0.0
+    coasting: Coasting | None = None  # its coasters, where its scheduler coasts
+    readiness_seconds: float = 0.0  # capacity held idle for the fast lane, not yet charged (as meter.py)
 
 
 @dataclass
@@ -115,8 +117,9 @@ class Simulator:
         self.replicas = [Replica(i) for i in range(replicas)]
         for replica in self.replicas:
             if coast and POLICY_TYPES[config.policy].coasts:
-                coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica))
-                replica.scheduler = CoastingScheduler(copy.deepcopy(config), coasting, machine.step_model(), clock)
+                replica.coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica))
+                replica.scheduler = CoastingScheduler(copy.deepcopy(config), replica.coasting, machine.step_model(),
+                                                      clock)
             else:
                 replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock)
         self.route = make_router(routing)
@@ -239,6 +242,13 @@ class Simulator:
         if record.index <= self.token_times:
             record.chunk_times.extend(replica.log.times(first, last))
 
+    def _fast_in(self, plan: StepPlan, replica: Replica) -> list[str]:
+        """The fast requests the step ran: its own and, when the fast group coasted in it, that group's."""
+        fast = [s.request_id for s in plan.seqs if s.tier == "fast" and s.request_id in self._live]
+        if isinstance(plan, CoastingPlan) and any(g.fast for g in plan.coasting):
+            fast += [rid for rid, c in replica.coasting.members.items() if c.group == "fast"]
+        return fast
+
     def _start_step(self, replica: Replica) -> None:
         plan = replica.scheduler.plan()
         num_seqs = plan.num_seqs
@@ -258,9 +268,17 @@ class Simulator:
         coefficients = self.truth.coefficients[plan.kernel]
         # Metered before the commit: coasters that stop in it are billed from the log.
         split = shares(plan, runner, coefficients, 1.0, plan.groups() if isinstance(plan, CoastingPlan) else ())
-        for rid, seconds in split.by_request.items():
-            if rid != READINESS:  # readiness is billed to the next fast request; here, dropped
-                self._live[rid][0].engine_seconds += seconds
+        charged = dict(split.by_request)
+        # As the meter does: capacity held idle for the fast lane goes to the next fast requests to run.
+        replica.readiness_seconds += charged.pop(READINESS, 0.0)
+        if replica.readiness_seconds:
+            fast = self._fast_in(plan, replica)
+            for rid in fast:
+                charged[rid] = charged.get(rid, 0.0) + replica.readiness_seconds / len(fast)
+            if fast:
+                replica.readiness_seconds = 0.0
+        for rid, seconds in charged.items():
+            self._live[rid][0].engine_seconds += seconds
         replica.log.record(plan.step_id, self.now, split, coefficients)
         tokens = {s.request_id: [SampledToken(self._stand_in_tokens(1)[0])] for s in plan.seqs if s.sample}
         changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
@@ -305,5 +323,7 @@ def simulate(config: SchedulerConfig, machine: MachineProfile, workload: Workloa
                        "routing": routing, "policy": config.policy, "max_num_seqs": config.max_num_seqs,
                        "fast_reserved_seq_share": config.tiers["fast"].reserved_seq_share,
                        "steps": len(sim.steps), "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
+                       # held idle for the fast lane after its last fast request: no one was charged it
+                       "readiness_seconds": sum(r.readiness_seconds for r in sim.replicas),
                        "trace": trace is not None},
     }
