@@ -4,7 +4,7 @@ so the seeded hash promotes about 30% of them to the fast lane while the rest, t
 share the standard lane's batched steps. Then `tollway report --canary` compares the arms from
 the server's SQLite ledger, and /v1/usage/canary must say the same.
 
-    python benchmarks/canary_example.py          # about 3 min on a 2-core machine
+    python benchmarks/canary_example.py          # about 1.5 min on a 2-core machine
     python benchmarks/canary_example.py --quick  # under a minute; writes benchmarks/out/ only
 
 Every request of the run is in the ledger and the comparison, the first wave's too: the canary
