@@ -39,6 +39,18 @@ def attribute(plan: StepPlan, seconds: float, coefficients: list[float], price_p
     return shares(plan, seconds, coefficients, price_per_second).by_request
 
 
+def carry_readiness(by_request: dict[str, float], held: float, fast: Sequence[str]) -> float:
+    """Moves a step's READINESS share out of `by_request` into what is `held`, and all that is
+    held onto the step's `fast` requests, evenly, when it has any. Returns what is still held.
+    The meter and the simulator charge by this one rule."""
+    held += by_request.pop(READINESS, 0.0)
+    if not fast or not held:
+        return held
+    for rid in fast:
+        by_request[rid] = by_request.get(rid, 0.0) + held / len(fast)
+    return 0.0
+
+
 def decode_work(coefficients: list[float], count: int, pairs: int) -> float:
     """Marginal work of `count` single-token decodes reading `pairs` query-key pairs in all."""
     _, per_token, per_row, per_pair, _ = coefficients

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 
 from tollway.config import TIERS
-from tollway.meter.attribution import READINESS, attribute
+from tollway.meter.attribution import attribute, carry_readiness
 from tollway.meter.budgets import Budgets
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.meter.price_card import PriceCard
@@ -48,12 +48,8 @@ class Meter:
             shares[rid] = shares.get(rid, 0.0) + seconds
         with self._lock:
             self.busy_seconds += result.seconds
-            self.readiness_seconds += shares.pop(READINESS, 0.0)
             fast = [s.request_id for s in plan.seqs if s.tier == "fast" and s.request_id in self._seconds]
-            if fast and self.readiness_seconds:
-                for rid in fast:
-                    shares[rid] += self.readiness_seconds / len(fast)
-                self.readiness_seconds = 0.0
+            self.readiness_seconds = carry_readiness(shares, self.readiness_seconds, fast)
             self.attributed_seconds += sum(shares.values())
             tiers = {s.request_id: s.tier for s in plan.seqs}
             for rid, seconds in shares.items():

@@ -34,7 +34,7 @@ from tollway.bench.run import FORMAT, stage_dict
 from tollway.bench.stats import SLO
 from tollway.bench.workload import Workload, read_jsonl
 from tollway.config import SchedulerConfig
-from tollway.meter.attribution import READINESS, shares
+from tollway.meter.attribution import READINESS, carry_readiness, shares
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
@@ -268,15 +268,11 @@ class Simulator:
         coefficients = self.truth.coefficients[plan.kernel]
         # Metered before the commit: coasters that stop in it are billed from the log.
         split = shares(plan, runner, coefficients, 1.0, plan.groups() if isinstance(plan, CoastingPlan) else ())
-        charged = dict(split.by_request)
-        # As the meter does: capacity held idle for the fast lane goes to the next fast requests to run.
-        replica.readiness_seconds += charged.pop(READINESS, 0.0)
-        if replica.readiness_seconds:
-            fast = self._fast_in(plan, replica)
-            for rid in fast:
-                charged[rid] = charged.get(rid, 0.0) + replica.readiness_seconds / len(fast)
-            if fast:
-                replica.readiness_seconds = 0.0
+        charged = split.by_request  # the log reads only the rates
+        # As the meter does; the step's fast requests are looked up only when there is readiness to charge.
+        holding = replica.readiness_seconds or charged.get(READINESS)
+        fast = self._fast_in(plan, replica) if holding else ()
+        replica.readiness_seconds = carry_readiness(charged, replica.readiness_seconds, fast)
         for rid, seconds in charged.items():
             self._live[rid][0].engine_seconds += seconds
         replica.log.record(plan.step_id, self.now, split, coefficients)
