@@ -117,8 +117,8 @@ void gated_act(const float *gate_up, int64_t rows, int64_t width, int32_t kind, 
 
 typedef float v8 __attribute__((vector_size(32)));
 enum { TILE = 4 };       /* query vectors sharing each key and value load */
-/* Keys (and values) fetched this many positions ahead of use, into L1 (AHEAD) and into L2
-   (FAR): a sequence's keys are scattered over the cache's blocks, so the hardware prefetcher
+/* Keys fetched this many positions ahead of use, into L1 (AHEAD) and into L2 (FAR; values
+   too, for the value pass, which fetches VALUE_KEYS ahead itself): a sequence's keys are scattered over the cache's blocks, so the hardware prefetcher
    alone stalls on every block. Measured on 64 decodes at context 192: AHEAD alone 1.8x faster
    than no prefetch (2 to 8 all about as well), FAR 8 another 1.25x (16 alike, 32 worse). */
 enum { AHEAD = 4, FAR = 8 };
@@ -170,6 +170,67 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
         store_row(k_cache, slots[t] * row, k + t * k_stride, row, half);
         store_row(v_cache, slots[t] * row, v + t * v_stride, row, half);
     }
+}
+
+/* Values summed per pass: VALUE_COLS columns of each of the tile's vectors, kept in registers
+   (AVX-512's 32 of them hold the wider pass), over VALUE_KEYS keys. With QK_KEYS, these took
+   attention 0.80-0.90x the time (64 decodes at context 192, a 512-token prefill, 1024 tokens
+   over a 512 window; the same bits); 16 keys a group where there had been 4. */
+#if defined(__AVX512F__)
+enum { VALUE_COLS = 32 };
+#else
+enum { VALUE_COLS = 16 };
+#endif
+enum { VALUE_KEYS = 16 };
+/* Keys whose scores are summed together, each with the tile's query vectors: as many sums as
+   the registers hold (TILE x QK_KEYS, plus the keys). */
+#if defined(__AVX512F__)
+#define QK_KEYS 4
+#else
+#define QK_KEYS 2
+#endif
+
+typedef float v4 __attribute__((vector_size(16)));
+
+/* score[i][u] = hsum8(acc[u][i]) * scale. With four keys, their sums are reduced together, the
+   pairs added in hsum8's order, so each is the same float. */
+static inline __attribute__((always_inline)) void key_sums(v8 acc[QK_KEYS][TILE], const int tile, float scale,
+                                                           float score[TILE][QK_KEYS]) {
+    for (int i = 0; i < tile; i++) {
+#if QK_KEYS == 4
+        v4 p[4];
+        for (int u = 0; u < 4; u++)
+            p[u] = __builtin_shufflevector(acc[u][i], acc[u][i], 0, 1, 2, 3) +
+                   __builtin_shufflevector(acc[u][i], acc[u][i], 4, 5, 6, 7);  /* v0+v4 .. v3+v7 */
+        v4 h01 = __builtin_shufflevector(p[0], p[1], 0, 2, 4, 6) + __builtin_shufflevector(p[0], p[1], 1, 3, 5, 7);
+        v4 h23 = __builtin_shufflevector(p[2], p[3], 0, 2, 4, 6) + __builtin_shufflevector(p[2], p[3], 1, 3, 5, 7);
+        v4 r = (__builtin_shufflevector(h01, h23, 0, 2, 4, 6) + __builtin_shufflevector(h01, h23, 1, 3, 5, 7)) * scale;
+        for (int u = 0; u < 4; u++) score[i][u] = r[u];
+#else
+        for (int u = 0; u < QK_KEYS; u++) score[i][u] = hsum8(acc[u][i]) * scale;
+#endif
+    }
+}
+
+/* sums[i][c, c + width) += weights[i][j] * value row j, for keys j0..j1 in order. */
+static inline __attribute__((always_inline)) void value_pass(
+        const void *v_cache, const int64_t *rows, const float *weights, int64_t span, int64_t j0, int64_t j1,
+        int64_t d, int64_t c, float (*sums)[d], const int half, const int tile, const int width) {
+    v8 acc[TILE][VALUE_COLS / 8];
+    for (int i = 0; i < tile; i++)
+        for (int u = 0; u < width / 8; u++) acc[i][u] = load8(sums[i] + c + 8 * u);
+    for (int64_t j = j0; j < j1; j++) {
+        int64_t value = rows[j] * d + c;
+        if (j + VALUE_KEYS < span) __builtin_prefetch(kv_at(v_cache, rows[j + VALUE_KEYS] * d + c, half));
+        v8 x[VALUE_COLS / 8];
+        for (int u = 0; u < width / 8; u++) x[u] = kv_load8(v_cache, value + 8 * u, half);
+        for (int i = 0; i < tile; i++) {
+            float p = weights[i * span + j];
+            for (int u = 0; u < width / 8; u++) acc[i][u] += p * x[u];
+        }
+    }
+    for (int i = 0; i < tile; i++)
+        for (int u = 0; u < width / 8; u++) store8(sums[i] + c + 8 * u, acc[i][u]);
 }
 
 /* Causal attention of each token's query heads over its sequence's cached keys, read through
@@ -224,21 +285,24 @@ static inline __attribute__((always_inline)) void attend(
                     int64_t pos = tile_lo + j;
                     rows[j] = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + g;
                 }
-                /* Keys two at a time: each query load serves both, and the eight sums in
-                   flight keep the FMA units busy where four waited on one another (1.2x on
-                   64 decodes at context 336). Each key's sum runs in the same order as alone. */
-                for (int64_t j = 0; j < span; j += 2) {
-                    int64_t j1 = j + 1 < span ? j + 1 : j;
-                    int64_t key[2] = {rows[j] * d, rows[j1] * d};
-                    /* later keys' rows, one cache line per line of these */
-                    int64_t ahead[2] = {rows[j + AHEAD < span ? j + AHEAD : j] * d,
-                                        rows[j1 + AHEAD < span ? j1 + AHEAD : j1] * d};
-                    int64_t far[2] = {rows[j + FAR < span ? j + FAR : j] * d, rows[j1 + FAR < span ? j1 + FAR : j1] * d};
-                    v8 acc[2][TILE];
-                    for (int i = 0; i < tile; i++) acc[0][i] = acc[1][i] = (v8){0};
+                /* QK_KEYS keys at a time: each query load serves them all, and the sums in flight
+                   keep the FMA units busy where four waited on one another (two keys: 1.2x on 64
+                   decodes at context 336). Each key's sum runs in the same order as alone. */
+                for (int64_t j = 0; j < span; j += QK_KEYS) {
+                    int64_t key[QK_KEYS], ahead[QK_KEYS], far[QK_KEYS];
+                    for (int u = 0; u < QK_KEYS; u++) {
+                        int64_t ju = j + u < span ? j + u : j;
+                        key[u] = rows[ju] * d;
+                        /* later keys' rows, one cache line per line of these */
+                        ahead[u] = rows[ju + AHEAD < span ? ju + AHEAD : ju] * d;
+                        far[u] = rows[ju + FAR < span ? ju + FAR : ju] * d;
+                    }
+                    v8 acc[QK_KEYS][TILE];
+                    for (int u = 0; u < QK_KEYS; u++)
+                        for (int i = 0; i < tile; i++) acc[u][i] = (v8){0};
                     for (int64_t c = 0; c < d; c += 8) {
                         if (c % (half ? 32 : 16) == 0) {
-                            for (int u = 0; u < 2; u++) {
+                            for (int u = 0; u < QK_KEYS; u++) {
                                 __builtin_prefetch(kv_at(k_cache, ahead[u] + c, half));
                                 /* and into L2 further ahead, the key and its value for the value
                                    pass: both streams in flight at once (measured on 64 decodes at
@@ -247,16 +311,18 @@ static inline __attribute__((always_inline)) void attend(
                                 __builtin_prefetch(kv_at(v_cache, far[u] + c, half), 0, 1);
                             }
                         }
-                        v8 k0 = kv_load8(k_cache, key[0] + c, half), k1 = kv_load8(k_cache, key[1] + c, half);
+                        v8 k[QK_KEYS];
+                        for (int u = 0; u < QK_KEYS; u++) k[u] = kv_load8(k_cache, key[u] + c, half);
                         for (int i = 0; i < tile; i++) {
                             v8 qc = load8(qv[i] + c);
-                            acc[0][i] += qc * k0;
-                            acc[1][i] += qc * k1;
+                            for (int u = 0; u < QK_KEYS; u++) acc[u][i] += qc * k[u];
                         }
                     }
-                    for (int u = 0; u < 2 && j + u < span; u++) {
+                    float score[TILE][QK_KEYS];
+                    key_sums(acc, tile, scale, score);
+                    for (int u = 0; u < QK_KEYS && j + u < span; u++) {
                         for (int i = 0; i < tile; i++) {
-                            float s = hsum8(acc[u][i]) * scale;
+                            float s = score[i][u];
                             if (softcap != 0.0f) {
                                 /* tanh(x) = 2 sigmoid(2x) - 1 */
                                 s = softcap * (2.0f / (1.0f + exp_poly(-2.0f * s / softcap)) - 1.0f);
@@ -266,43 +332,29 @@ static inline __attribute__((always_inline)) void attend(
                         }
                     }
                 }
+                /* Softmax: the exponentials one loop (it vectorizes), each vector's sum another,
+                   in position order as before, the tile's sums interleaved so they do not wait on
+                   one another. */
                 float total[TILE];
                 for (int i = 0; i < tile; i++) {
-                    float *w = weights + i * span, m = -INFINITY, sum = 0.0f;
+                    float *w = weights + i * span, m = -INFINITY;
                     for (int64_t j = 0; j < span; j++) m = w[j] > m ? w[j] : m;
-                    for (int64_t j = 0; j < span; j++) {
-                        w[j] = w[j] == -INFINITY ? 0.0f : exp_poly(w[j] - m);
-                        sum += w[j];
-                    }
-                    total[i] = sum;
+                    for (int64_t j = 0; j < span; j++) w[j] = w[j] == -INFINITY ? 0.0f : exp_poly(w[j] - m);
+                    total[i] = 0.0f;
                 }
-                /* Values AHEAD keys at a time: their rows stay in L1 across the d / 16 column
-                   passes while each pass fetches the next group's line. Each output column still
-                   sums its keys in position order, so the result is the same to the bit. */
+                for (int64_t j = 0; j < span; j++)
+                    for (int i = 0; i < tile; i++) total[i] += weights[i * span + j];
+                /* Values VALUE_KEYS keys at a time: their rows stay in L1 across the column passes
+                   while each pass fetches the next group's line, and a pass's sums stay in
+                   registers across the group. Each output column still sums its keys in position
+                   order, so the result is the same to the bit. */
                 for (int i = 0; i < tile; i++) memset(sums[i], 0, sizeof(float) * d);
-                for (int64_t j0 = 0; j0 < span; j0 += AHEAD) {
-                    int64_t j1 = j0 + AHEAD < span ? j0 + AHEAD : span;
-                    for (int64_t c = 0; c < d; c += 16) {
-                        v8 acc[TILE][2];
-                        for (int i = 0; i < tile; i++) {
-                            acc[i][0] = load8(sums[i] + c);
-                            acc[i][1] = load8(sums[i] + c + 8);
-                        }
-                        for (int64_t j = j0; j < j1; j++) {
-                            int64_t value = rows[j] * d + c;
-                            if (j + AHEAD < span) __builtin_prefetch(kv_at(v_cache, rows[j + AHEAD] * d + c, half));
-                            v8 x0 = kv_load8(v_cache, value, half), x1 = kv_load8(v_cache, value + 8, half);
-                            for (int i = 0; i < tile; i++) {
-                                float p = weights[i * span + j];
-                                acc[i][0] += p * x0;
-                                acc[i][1] += p * x1;
-                            }
-                        }
-                        for (int i = 0; i < tile; i++) {
-                            store8(sums[i] + c, acc[i][0]);
-                            store8(sums[i] + c + 8, acc[i][1]);
-                        }
-                    }
+                for (int64_t j0 = 0; j0 < span; j0 += VALUE_KEYS) {
+                    int64_t j1 = j0 + VALUE_KEYS < span ? j0 + VALUE_KEYS : span;
+                    int64_t c = 0;
+                    for (; c + VALUE_COLS <= d; c += VALUE_COLS)
+                        value_pass(v_cache, rows, weights, span, j0, j1, d, c, sums, half, tile, VALUE_COLS);
+                    for (; c < d; c += 16) value_pass(v_cache, rows, weights, span, j0, j1, d, c, sums, half, tile, 16);
                 }
                 for (int i = 0; i < tile; i++) {
                     if (!ov[i]) continue;
