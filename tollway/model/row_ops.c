@@ -281,9 +281,12 @@ static inline __attribute__((always_inline)) void attend(
                     weights = malloc(sizeof(float) * tile * capacity);
                     rows = malloc(sizeof(int64_t) * capacity);
                 }
-                for (int64_t j = 0; j < span; j++) {
-                    int64_t pos = tile_lo + j;
-                    rows[j] = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + g;
+                /* a block at a time: a division per key took attention 1.02-1.08x the time */
+                for (int64_t j = 0, pos = tile_lo; j < span;) {
+                    int64_t offset = pos % block_size, base = table[pos / block_size] * block_size + offset;
+                    int64_t n = block_size - offset < span - j ? block_size - offset : span - j;
+                    for (int64_t k = 0; k < n; k++) rows[j + k] = (base + k) * kv_heads + g;
+                    j += n, pos += n;
                 }
                 /* QK_KEYS keys at a time: each query load serves them all, and the sums in flight
                    keep the FMA units busy where four waited on one another (two keys: 1.2x on 64
