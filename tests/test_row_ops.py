@@ -2,13 +2,18 @@
 on the rows around it."""
 from __future__ import annotations
 
+import ctypes
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from tollway.model import row_ops
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, Rotary
+from tollway.model.native.build import NATIVE_FLAGS, compiled_library
+from tollway.model.native.qmatmul import q8_library
 from tollway.model.row_ops import NativeRowOps, TorchRowOps, row_ops_for, row_ops_library
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq
@@ -92,11 +97,11 @@ def test_the_build_is_reused_and_a_broken_compiler_falls_back_to_torch(tmp_path,
     assert not list((tmp_path / "other").rglob("*.so")) and not list((tmp_path / "other").rglob(".row_ops-*"))
 
 
-def _attention_step(window, dtype=torch.float32):
+def _attention_step(window, dtype=torch.float32, d=32):
     """A step mixing two decodes (first, as the runner orders them) with two prefill chunks, one
     long enough to be split over two threads, over a cache whose earlier positions are filled."""
     g = torch.Generator().manual_seed(4)
-    heads, kv_heads, d, bs = 4, 2, 32, 4
+    heads, kv_heads, bs = 4, 2, 4
     blocks = torch.randperm(96, generator=g).tolist()
     specs = [("a", 40, 1), ("b", 5, 1), ("c", 10, 20), ("d", 0, 200)]  # (id, start, new tokens)
     seqs, positions, slots = [], [], []
@@ -129,6 +134,37 @@ def test_attention_matches_torch(native, window, softcap, dtype):
     (got, got_cache), (want, want_cache) = results
     assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
     torch.testing.assert_close(got, want, **CLOSE)
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return set(flags) <= set(line.split())
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """row_ops.c built for Haswell (AVX2, FMA, F16C; no AVX-512), whatever this machine has."""
+    flags = [f if f != "-march=native" else "-march=haswell" for f in NATIVE_FLAGS]
+    lib = compiled_library(row_ops._SOURCE, tmp_path_factory.mktemp("avx2"), flags, row_ops._HEADERS)
+    return NativeRowOps(ctypes.CDLL(str(lib)), q8_library(tmp_path_factory.mktemp("q8")))
+
+
+@pytest.mark.skipif(not _cpu_has("avx2", "fma", "f16c"), reason="needs a CPU that runs an AVX2 build")
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 32), (torch.float16, 32), (torch.float16, 48)])
+def test_attention_is_the_same_to_the_bit_from_an_avx2_build(native, avx2_build, window, softcap, dtype, d):
+    """An AVX-512 build scores 4 keys per query load and sums 32 value columns per pass, an AVX2
+    build 2 and 16 (d = 48 adds a 16-column pass to the 32s): each score and sum is the same
+    float, so a machine's build never changes a token."""
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(window, dtype, d)
+    kind = "sliding" if window else "full"
+    meta = step_metadata(seqs, positions, slots, bs, window or None, torch.device("cpu"), False)
+    got, want = (ops.attention(qk, v, heads, cache, meta, kind, window, 0.25, softcap) for ops in (native, avx2_build))
+    assert torch.equal(got, want)
 
 
 def test_attention_of_a_token_does_not_depend_on_its_batch(native):
