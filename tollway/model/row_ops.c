@@ -118,8 +118,8 @@ void gated_act(const float *gate_up, int64_t rows, int64_t width, int32_t kind, 
 typedef float v8 __attribute__((vector_size(32)));
 enum { TILE = 4 };       /* query vectors sharing each key and value load */
 /* Keys fetched this many positions ahead of use, into L1 (AHEAD) and into L2 (FAR; values
-   too, for the value pass, which fetches VALUE_KEYS ahead itself): a sequence's keys are scattered over the cache's blocks, so the hardware prefetcher
-   alone stalls on every block. Measured on 64 decodes at context 192: AHEAD alone 1.8x faster
+   too, for the value pass, which fetches VALUE_KEYS ahead itself): a sequence's keys are
+   scattered over the cache's blocks, so the hardware prefetcher alone stalls on every block. Measured on 64 decodes at context 192: AHEAD alone 1.8x faster
    than no prefetch (2 to 8 all about as well), FAR 8 another 1.25x (16 alike, 32 worse). */
 enum { AHEAD = 4, FAR = 8 };
 
@@ -172,23 +172,19 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
     }
 }
 
-/* Values summed per pass: VALUE_COLS columns of each of the tile's vectors, kept in registers
-   (AVX-512's 32 of them hold the wider pass), over VALUE_KEYS keys. With QK_KEYS, these took
-   attention 0.80-0.90x the time (64 decodes at context 192, a 512-token prefill, 1024 tokens
-   over a 512 window; the same bits); 16 keys a group where there had been 4. */
+/* Values summed per pass: VALUE_COLS columns of each of the tile's vectors, kept in registers,
+   over VALUE_KEYS keys. QK_KEYS: keys whose scores are summed together, each with the tile's
+   query vectors. Both as wide as the registers allow (AVX-512 has 32 of them). With 16 keys a
+   value group where there had been 4, these took attention 0.80-0.90x the time (64 decodes at
+   context 192, a 512-token prefill, 1024 tokens over a 512 window; the same bits). */
 #if defined(__AVX512F__)
 enum { VALUE_COLS = 32 };
-#else
-enum { VALUE_COLS = 16 };
-#endif
-enum { VALUE_KEYS = 16 };
-/* Keys whose scores are summed together, each with the tile's query vectors: as many sums as
-   the registers hold (TILE x QK_KEYS, plus the keys). */
-#if defined(__AVX512F__)
 #define QK_KEYS 4
 #else
+enum { VALUE_COLS = 16 };
 #define QK_KEYS 2
 #endif
+enum { VALUE_KEYS = 16 };
 
 typedef float v4 __attribute__((vector_size(16)));
 
