@@ -538,46 +538,26 @@ static inline int32_t group_of(const int8_t *p) {
     }
 
 /* AVX2: vpmaddubsw multiplies u8 by s8 into saturating int16 pairs, so it gets |w| and x with
-   w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                             const float *xs, int half, int r0, float *out,
-                                                             const char *ahead, int64_t ahead_step, const int n) {
-    const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    UNROLLED for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
-        if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
-        __m256i isum[4];
-        UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_setzero_si256();
-        UNROLLED for (int g = 0; g < GROUPS; g++) {
-            __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + g * 64)), flip);
-            __m256i wabs = _mm256_abs_epi8(ws);
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, ws));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
-            }
-        }
-        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
-        UNROLLED for (int r = 0; r < n; r++) {
-            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
-        }
-    }
-    UNROLLED for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
+   w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. The weights
+   are read back to signed (xor 0x80), so the sums need no offset. */
+__attribute__((target("avx2")))
+static inline __m256i avx2_group_dot(__m256i isum, __m256i w, __m256i x) {
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-
-__attribute__((target("avx2,fma,f16c")))
-static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                      int rows, float *out, const char *ahead, int64_t ahead_step) {
-    (void)xo;
-    for (int half = 0; half < 2; half++)
-        for (int r0 = 0; r0 < rows; r0 += 4)
-            ROWS4_SWITCH(avx2_rows, rows - r0, tile, nb, xq, xs, half, r0, out, ahead, ahead_step)
-}
+#define TILE256 tile_avx2
+#define TILE256_ROWS avx2_rows
+#define TILE256_TARGET "avx2,fma,f16c"
+#define LOAD256(p) _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p)), _mm256_set1_epi8((char)0x80))
+#define DOT256 avx2_group_dot
+#define ISUM256_OFFSET 0
+#include "qmatmul_tile256.h"
+#undef TILE256
+#undef TILE256_ROWS
+#undef TILE256_TARGET
+#undef LOAD256
+#undef DOT256
+#undef ISUM256_OFFSET
 
 /* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
 0..15, so vpmaddubsw takes it as the u8 operand directly: a pair stays within 2 * 15 * 128. */
@@ -625,20 +605,22 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
 }
 
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
-#define TILE_VNNI256 tile_avxvnni
-#define VNNI256_ROWS avxvnni_rows
-#define VNNI256_TARGET "avx2,fma,f16c,avxvnni"
-#define DPBUSD256 _mm256_dpbusd_avx_epi32
-#include "qmatmul_vnni256.h"
-#undef TILE_VNNI256
-#undef VNNI256_ROWS
-#undef VNNI256_TARGET
-#undef DPBUSD256
-#define TILE_VNNI256 tile_vnni256_evex
-#define VNNI256_ROWS vnni256_evex_rows
-#define VNNI256_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-#define DPBUSD256 _mm256_dpbusd_epi32
-#include "qmatmul_vnni256.h"
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define ISUM256_OFFSET 1
+#define TILE256 tile_avxvnni
+#define TILE256_ROWS avxvnni_rows
+#define TILE256_TARGET "avx2,fma,f16c,avxvnni"
+#define DOT256 _mm256_dpbusd_avx_epi32
+#include "qmatmul_tile256.h"
+#undef TILE256
+#undef TILE256_ROWS
+#undef TILE256_TARGET
+#undef DOT256
+#define TILE256 tile_vnni256_evex
+#define TILE256_ROWS vnni256_evex_rows
+#define TILE256_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define DOT256 _mm256_dpbusd_epi32
+#include "qmatmul_tile256.h"
 
 /* AVX512-VNNI: vpdpbusd multiplies u8 weights by s8 activations, 16 output rows per register.
    The activations' 4-byte group is broadcast by the instruction's own memory operand (gcc's

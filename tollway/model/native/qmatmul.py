@@ -25,7 +25,7 @@ from tollway.checkpoint import cache_root
 _log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCE = _HERE / "qmatmul.c"
-_HEADERS = (_HERE / "qmatmul_vnni256.h",)
+_HEADERS = (_HERE / "qmatmul_tile256.h",)
 # No -march=native: each kernel carries its own target attribute, so the lower paths stay what
 # they claim to be. No FMA contraction: the float sums are written out, the same in every path.
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
