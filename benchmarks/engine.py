@@ -63,16 +63,19 @@ def read_buffer() -> torch.Tensor:
     return torch.randn(64 * 2**20)  # 256 MiB of float32, far beyond any cache
 
 
+def read_gb_s(src: torch.Tensor, repeats: int) -> float:
+    """Reading alone, the best of `repeats`: what streaming the weights through a decode step needs."""
+    return src.numel() * src.element_size() / best_seconds(src.sum, repeats) / 1e9
+
+
 @torch.inference_mode()
 def roofline(gemm_n: int) -> dict:
     src = read_buffer()
     dst = torch.empty_like(src)
     copy_s = best_seconds(lambda: dst.copy_(src), 5)
     moved = 2 * src.numel() * src.element_size()  # read + write
-    # Reading alone is what streaming the weights through a decode step needs.
-    read_s = best_seconds(src.sum, 5)
     out = {"memcpy_bytes_moved": moved, "memcpy_seconds": copy_s, "memcpy_gb_s": moved / copy_s / 1e9,
-           "read_seconds": read_s, "read_gb_s": src.numel() * src.element_size() / read_s / 1e9, "gemm_n": gemm_n}
+           "read_gb_s": read_gb_s(src, 5), "gemm_n": gemm_n}
     a = torch.randn(gemm_n, gemm_n)
     flops = 2 * gemm_n**3
     for dtype, repeats in (("fp32", 5), ("bf16", 2)):
@@ -279,9 +282,7 @@ def run(settings: dict, quick: bool) -> dict:
         def sample(b=b, samples=samples, read_samples=read_samples, peak_samples=peak_samples):
             for kernel, model in models.items():
                 samples[kernel].append(matmul_floor_seconds(model, kernel, b, repeats=1))
-            start = time.perf_counter()
-            reading.sum()
-            read_samples.append(reading.numel() * reading.element_size() / (time.perf_counter() - start) / 1e9)
+            read_samples.append(read_gb_s(reading, 1))
             if q8:
                 peak_samples.append(q8.dot_peak())
 

@@ -16,8 +16,8 @@ prompts, 128 new tokens), and the TTFT of a 2048-token prompt. The first wave of
 warms the server up and is not measured; the 1- and 64-stream loads run in 3 alternating
 rounds (fresh prompts each), and the median round stands for each. Every figure is a ratio
 tollway / llama-server from this one run, beside both servers' peak resident memory.
-`llama-batched-bench` adds the peer's engine alone, without HTTP. Writes benchmarks/results/vs_llamacpp.json and a section of
-benchmarks/README.md.
+`llama-batched-bench` adds the peer's engine alone, without HTTP. Writes
+benchmarks/results/vs_llamacpp.json and a section of benchmarks/README.md.
 
 Run it on a quiet machine. llama.cpp's threads meet at a barrier after every op, so when other
 work oversubscribes the cores, a pool with a thread per core collapses (measured here at load
