@@ -13,7 +13,7 @@ import torch
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
 
 
-def machine_info() -> dict:
+def _cpu_model_and_flags() -> tuple[str, set[str]]:
     cpu, flags = platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -24,6 +24,20 @@ def machine_info() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
+    return cpu, flags
+
+
+def cpu_kind_suffix() -> str:
+    """'' on an AVX-512 CPU, else '-avx2' or '-portable': the native kernels differ by kind, so a
+    kernel-bound benchmark keeps one record per kind rather than overwriting the other's."""
+    flags = _cpu_model_and_flags()[1]
+    if {"avx512f", "avx512bw"} <= flags:
+        return ""
+    return "-avx2" if "avx2" in flags else "-portable"
+
+
+def machine_info() -> dict:
+    cpu, flags = _cpu_model_and_flags()
     import transformers
 
     return {
@@ -68,12 +82,15 @@ def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
 
 
 def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None,
-                  options: dict[str, dict] | None = None) -> None:
+                  options: dict[str, dict] | None = None, per_cpu_kind: bool = False) -> None:
     """The command line every benchmark shares. run(settings, quick) -> result; then the JSON,
     figures(result, quick) -> [paths relative to benchmarks/] if any, and markdown(result,
     json path, *figure paths) -> the README section (written only for a full run).
     options: {name: argparse keywords} for a benchmark's own flags (--name); each value joins
-    the settings under its name."""
+    the settings under its name. per_cpu_kind: the JSON and the README section are the CPU
+    kind's own (name-avx2 on an AVX2-only machine; see cpu_kind_suffix)."""
+    if per_cpu_kind:
+        name += cpu_kind_suffix()
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
     for option, keywords in (options or {}).items():

@@ -441,4 +441,4 @@ def markdown(r: dict, raw: str) -> str:
 
 
 if __name__ == "__main__":
-    run_benchmark("engine", __doc__, run, markdown, FULL, QUICK)
+    run_benchmark("engine", __doc__, run, markdown, FULL, QUICK, per_cpu_kind=True)

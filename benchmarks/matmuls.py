@@ -104,4 +104,4 @@ def markdown(r: dict, raw: str) -> str:
 
 
 if __name__ == "__main__":
-    run_benchmark("matmuls", __doc__, run, markdown, FULL, QUICK)
+    run_benchmark("matmuls", __doc__, run, markdown, FULL, QUICK, per_cpu_kind=True)

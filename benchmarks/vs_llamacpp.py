@@ -445,4 +445,4 @@ def _row(figure: str, ours: float, theirs: float, ratio: float) -> str:
 
 if __name__ == "__main__":
     run_benchmark("vs_llamacpp", __doc__, run, markdown, FULL, QUICK, options={"threads": dict(
-        type=int, default=os.cpu_count(), help="threads for each server and llama-batched-bench (default: all cores)")})
+        type=int, default=os.cpu_count(), help="threads for each server and llama-batched-bench (default: all cores)")}, per_cpu_kind=True)

@@ -1,7 +1,8 @@
 """The simulator's results for fixed seeds, as recorded before the scheduler was reshaped
 (issue 21): a refactor of the scheduler or the simulator must leave every request's times,
-tokens and engine seconds, and every stage's steps, exactly as they were. A change that is
-meant to move them re-records the file: `python tests/test_sim_golden.py`."""
+tokens and engine seconds, and every stage's steps, exactly as they were, on any CPU (the step
+model's fit rounds the same on AVX2 and AVX-512). A change that is meant to move them re-records
+the file: `python tests/test_sim_golden.py`."""
 from __future__ import annotations
 
 import hashlib

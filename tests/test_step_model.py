@@ -1,7 +1,10 @@
 """StepTimeModel: the shape arithmetic, the offline fit and the online refit that the lanes
 policy shapes steps with. Pure Python and deterministic: step times come from known
 coefficients, so every number the model produces can be checked against the truth."""
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -134,6 +137,29 @@ def test_online_refit_never_goes_negative_either():
     for s in varied_shapes(rng, "int8", 64):
         model.observe(s, seconds(want_negative, s))
     assert min(model.coefficients["int8"]) >= 0
+
+
+_FIT_REPR = """
+import random, sys
+sys.path.insert(0, "tests")
+from test_step_model import TRUTH, seconds, varied_shapes
+from tollway.scheduler.step_model import StepTimeModel
+rng = random.Random(7)
+model = StepTimeModel.fit([(s, seconds(TRUTH["int8"], s) * rng.uniform(0.9, 1.1)) for s in varied_shapes(rng, "int8", 300)])
+for s in varied_shapes(rng, "int8", 64):
+    model.observe(s, seconds(TRUTH["int8"], s) * rng.uniform(0.8, 1.3))
+print(repr(model.coefficients))
+"""
+
+
+def test_the_fit_rounds_the_same_whatever_blas_kernel_the_cpu_picks():
+    """The simulator must give the same bits on an AVX2 and an AVX-512 machine; BLAS sums in an
+    order set by the CPU's vector width. OPENBLAS_CORETYPE makes this CPU take other kernels."""
+    runs = {core: subprocess.run([sys.executable, "-c", _FIT_REPR], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "OPENBLAS_CORETYPE": core}).stdout
+            for core in ("", "Prescott", "Sandybridge")}
+    assert runs[""].startswith("{'int8': [")
+    assert runs["Prescott"] == runs[""] and runs["Sandybridge"] == runs[""]
 
 
 def test_fit_without_samples_raises():

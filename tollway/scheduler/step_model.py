@@ -242,11 +242,15 @@ class _Sums(NamedTuple):
 
     @classmethod
     def of(cls, rows) -> _Sums:
+        # Elementwise products summed over axis 0, never BLAS's `@`: BLAS orders its sums by the
+        # CPU's vector width, so a fit (and every simulated run) would differ in the last bits
+        # between an AVX2 and an AVX-512 machine. Here each sum runs row by row on any CPU.
         n = len(FEATURES)
         x = np.array([row[0] for row in rows], dtype=float).reshape(-1, n)
         y = np.array([row[1] for row in rows], dtype=float)
         wx = x * np.where(y > 0, 1.0 / np.where(y > 0, y * y, 1.0), 1.0)[:, None]
-        return cls(wx.T @ x, wx.T @ y, (np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0), len(rows))
+        return cls((wx[:, :, None] * x[:, None, :]).sum(axis=0), (wx * y[:, None]).sum(axis=0),
+                   (np.abs(x) / np.maximum(y, 1e-9)[:, None]).sum(axis=0), len(rows))
 
     def __add__(self, other: _Sums) -> _Sums:
         return _Sums(self.a + other.a, self.b + other.b, self.scale + other.scale, self.count + other.count)
@@ -282,7 +286,26 @@ def _normal_equations(sums: _Sums, prior, prior_weight, active) -> list[float]:
     a[:, pinned] = 0.0
     a[pinned, pinned] = 1.0
     b[pinned] = 0.0
-    try:
-        return np.linalg.solve(a, b).tolist()
-    except np.linalg.LinAlgError:  # a feature never seen and no prior: its coefficient stays 0
-        return np.linalg.lstsq(a, b, rcond=None)[0].tolist()
+    return _gauss_solve(a.tolist(), b.tolist())
+
+
+def _gauss_solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a x = b by Gaussian elimination with partial pivoting, in Python floats: LAPACK's solve
+    too rounds differently by CPU. A column with no pivot left (a feature never seen, and no
+    prior) gets coefficient 0."""
+    n = len(b)
+    rows = [list(r) + [v] for r, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if rows[pivot][col] == 0.0:
+            continue
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            f = rows[r][col] / rows[col][col]
+            if f:
+                rows[r] = [u - f * v for u, v in zip(rows[r], rows[col])]
+    x = [0.0] * n
+    for col in reversed(range(n)):
+        if rows[col][col] != 0.0:
+            x[col] = (rows[col][n] - sum(rows[col][j] * x[j] for j in range(col + 1, n))) / rows[col][col]
+    return x
