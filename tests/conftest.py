@@ -121,11 +121,17 @@ def tiny_gguf(tiny_hf_models, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def native_library(tmp_path_factory):
+def native_cache(tmp_path_factory):
+    """A fresh cache folder for the whole test session: each native source compiles into it once."""
+    return tmp_path_factory.mktemp("native-cache")
+
+
+@pytest.fixture(scope="session")
+def native_library(native_cache):
     """The native matmul kernels, compiled once per test session into a fresh cache."""
     from tollway.model.native.qmatmul import q8_library
 
-    library = q8_library(tmp_path_factory.mktemp("native-cache"))
+    library = q8_library(native_cache)
     assert library is not None
     return library
 

@@ -205,7 +205,7 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--data-dir", str(tmp_path),
-           "--kernel", "int8", "--keys-db", str(tmp_path / "keys.sqlite")]
+           "--keys-db", str(tmp_path / "keys.sqlite")]
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

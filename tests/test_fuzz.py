@@ -14,7 +14,7 @@ from live_server import make_meter, running_server
 @pytest.fixture(scope="module")
 def fuzz_server(make_engine, tmp_path_factory):
     data = tmp_path_factory.mktemp("fuzz")
-    yield from running_server(make_engine(kernel="int8", max_model_len=48), batch_dir=data,
+    yield from running_server(make_engine(max_model_len=48), batch_dir=data,
                               meter=make_meter(data / "ledger.sqlite"))
 
 

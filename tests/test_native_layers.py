@@ -29,9 +29,9 @@ def _steps(vocab: int):
     return [StepPlan(0, first, "q8"), StepPlan(1, second, "q8")]
 
 
-def _run(loaded, tmp_path, fused: bool, threads: int, kv_cache_dtype: str):
+def _run(loaded, cache, fused: bool, threads: int, kv_cache_dtype: str):
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
-                         torch.device("cpu"), {"q8"}, cache_dir=str(tmp_path), kv_cache_dtype=kv_cache_dtype)
+                         torch.device("cpu"), {"q8"}, cache_dir=str(cache), kv_cache_dtype=kv_cache_dtype)
     assert runner.caches[0].k.dtype == {"float32": torch.float32, "float16": torch.float16}[kv_cache_dtype]
     ops, ran = runner.model.ops, []
     fused_run = ops.run_layers
@@ -53,17 +53,17 @@ def _run(loaded, tmp_path, fused: bool, threads: int, kv_cache_dtype: str):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, tmp_path, name, kv_cache_dtype):
+def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, native_cache, name, kv_cache_dtype):
     loaded = load_weights(str(tiny_hf_models[name]), progress=False)
-    want = _run(loaded, tmp_path, False, 2, kv_cache_dtype)
-    assert _run(loaded, tmp_path, True, 2, kv_cache_dtype) == want
-    assert _run(loaded, tmp_path, True, 1, kv_cache_dtype) == want
+    want = _run(loaded, native_cache, False, 2, kv_cache_dtype)
+    assert _run(loaded, native_cache, True, 2, kv_cache_dtype) == want
+    assert _run(loaded, native_cache, True, 1, kv_cache_dtype) == want
 
 
-def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, tmp_path):
+def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, native_cache):
     loaded = load_weights(str(tiny_hf_models["llama"]), progress=False)
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
-                         torch.device("cpu"), {"fp32"}, cache_dir=str(tmp_path))
+                         torch.device("cpu"), {"fp32"}, cache_dir=str(native_cache))
     seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
     calls = []
     fused_run = runner.model.ops.run_layers

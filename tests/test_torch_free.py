@@ -47,23 +47,24 @@ def test_scheduler_sim_bench_and_text_import_without_torch():
     assert int(done.stdout) >= 30
 
 
-def test_simulate_on_a_hardware_estimate_and_the_default_tokenizer_run_without_torch(tmp_path):
+def test_simulate_on_a_hardware_estimate_and_a_gguf_tokenizer_run_without_torch(tmp_path, tiny_gguf):
     """The two paths that used to load torch: the model's shapes for --hardware, and the tokenizer
-    bench measures prompts with (read from the GGUF alone, into an empty cache)."""
+    bench measures prompts with (read from a GGUF alone, into an empty cache; the tiny one, as the
+    default's 262k-token vocabulary takes the gguf reader half a minute on the same path)."""
     done = _run("""
         import json, sys
         from tollway.checkpoint import tokenizer_path
         from tollway.cli import main
         from tollway.text.tokenizer import Tokenizer
 
-        out, cache = sys.argv[1], sys.argv[2]
+        out, cache, gguf = sys.argv[1], sys.argv[2], sys.argv[3]
         code = main(["simulate", "--hardware", "H200", "--rate", "20", "--max-requests", "30",
                      "--output-tokens", "8", "--output", out, "--quiet"])
-        folder = tokenizer_path(None, cache)
+        folder = tokenizer_path(gguf, cache)
         ids = Tokenizer.load(folder).encode("Hello there")
         loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("tollway.model."))
         print(json.dumps({"code": code, "folder": str(folder), "ids": len(ids), "loaded": loaded}))
-    """, str(tmp_path / "sim"), str(tmp_path / "cache"), block=False)
+    """, str(tmp_path / "sim"), str(tmp_path / "cache"), str(tiny_gguf), block=False)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["code"] == 0 and result["ids"] >= 2 and result["loaded"] == []
