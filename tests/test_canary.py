@@ -33,7 +33,7 @@ def server(make_engine, tmp_path_factory):
                        KeySpec(ADMIN, "ops", admin=True)])
     canary = CanaryConfig(share=SHARE, seed=SEED, keys=["all", "no-fast"])
     meter = make_meter(ledger)
-    for details in running_server(make_engine(kernel="int8"), gatekeeper=keys, meter=meter, canary=canary):
+    for details in running_server(make_engine(), gatekeeper=keys, meter=meter, canary=canary):
         yield {**details, "ledger": ledger, "meter": meter}
 
 
@@ -179,7 +179,7 @@ def test_the_canary_table_and_its_bad_values(tmp_path):
 
 def test_bill_promoted_bills_the_fast_price_with_no_canary_cost(make_engine, tmp_path):
     meter = make_meter(tmp_path / "ledger.sqlite")
-    for details in running_server(make_engine(kernel="int8"), meter=meter,
+    for details in running_server(make_engine(), meter=meter,
                                   canary=CanaryConfig(share=1.0, bill_promoted=True)):
         with _client(details, "unused") as client:
             calls = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2) for _ in range(5)]

@@ -34,7 +34,7 @@ LAST_WAVE = 16
 def server(make_engine, tmp_path_factory):
     ledger = tmp_path_factory.mktemp("storm") / "ledger.sqlite"
     meter = make_meter(ledger)
-    for details in running_server(make_engine(kernel="int8"), Metrics(MODEL), meter=meter):
+    for details in running_server(make_engine(), Metrics(MODEL), meter=meter):
         yield {**details, "meter": meter, "ledger": ledger}
 
 

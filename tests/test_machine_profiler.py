@@ -21,7 +21,7 @@ def test_the_grid_crosses_kernels_decodes_contexts_and_prefills(make_engine):
 
 
 def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tmp_path):
-    engine = make_engine(kernel="int8", max_num_seqs=8, num_blocks=128)
+    engine = make_engine(max_num_seqs=8, num_blocks=128)
     profile = measure(engine, TINY, progress=False)
     assert not profile.estimate and "this machine" in profile.hardware and profile.dense_kernel
     assert all(seconds > 0 for *_, seconds in profile.samples) 
@@ -31,7 +31,7 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     assert profile.overhead[0] >= 0 and profile.overhead[1] >= 0
     # The fitted model sees that a step with a prefill chunk costs more than the bare decodes.
     model = profile.step_model(adaptive=False)
-    decodes = StepShape("int8").plus(96, 1, 1).plus(96, 1, 1)
+    decodes = StepShape("q8").plus(96, 1, 1).plus(96, 1, 1)
     assert model.predict(decodes.plus(0, 16, 1)) > model.predict(decodes)
     profile.save(tmp_path / "p.json")
     loaded = MachineProfile.load(tmp_path / "p.json")
@@ -73,7 +73,7 @@ def test_a_steps_first_cold_run_is_not_timed(make_engine, monkeypatch):
     """A new shape's first run touches memory for the first time (KV, scratch) and can take 10x a
     warm one: it is run once untimed, so neither the samples nor the jitter the simulator draws
     carry it."""
-    engine = make_engine(kernel="int8", max_num_seqs=8, num_blocks=128)
+    engine = make_engine(max_num_seqs=8, num_blocks=128)
     runner, seen, execute = engine.runner, set(), engine.runner.execute
 
     def cold_first(plan):

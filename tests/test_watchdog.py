@@ -19,7 +19,7 @@ from live_server import MODEL, serving
 @pytest.fixture(scope="module")
 def server(make_engine):
     metrics = Metrics(MODEL)
-    engine = AsyncEngine(make_engine(kernel="int8"), on_step=metrics.on_step)
+    engine = AsyncEngine(make_engine(), on_step=metrics.on_step)
     app = create_app(engine, MODEL, metrics)
     app.state.service.watchdog.floor = 1.0  # seconds; the measured steps set the bound past that
     for url in serving(app):
