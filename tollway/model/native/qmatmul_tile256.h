@@ -19,8 +19,10 @@ static inline __attribute__((always_inline)) void TILE256_ROWS(const uint8_t *ti
             isum[r] = ISUM256_OFFSET ? _mm256_set1_epi32(xo[XS(b, r0 + r)]) : _mm256_setzero_si256();
         UNROLLED for (int g = 0; g < GROUPS; g++) {
             __m256i wg = LOAD256(w + g * 64);
-            UNROLLED for (int r = 0; r < n; r++)
+            UNROLLED for (int r = 0; r < n; r++) {
                 isum[r] = DOT256(isum[r], wg, _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4)));
+                KEEP_IN_REGISTER(isum[r]);
+            }
         }
         __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
         UNROLLED for (int r = 0; r < n; r++) {
