@@ -473,7 +473,8 @@ static inline void prefetch_ahead(const char *ahead, int64_t step, int64_t b) {
 
 /* Written after each update of a 256-bit kernel's integer sums: gcc otherwise reassociates a
    block's additions into one tree over all its groups, computes every product first and spills
-   them (64 products a block at 4 rows); the q8 kernel at 64 rows ran at half its speed. */
+   them (64 products a block at 4 rows). With it, q8 at 8 rows ran 1.6x faster (the LM head) and
+   a 4096 x 640 q8 matmul at 64 rows 1.4x, on a 2-core Zen 3. */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
 typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
