@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 
 from tollway.server.batch_runner import LEASE, BatchRunner
@@ -155,6 +158,32 @@ def test_a_job_moves_to_another_server_when_its_own_stops_or_dies(store_target):
     batch = stores[1].batch(asyncio.run(run()))
     assert batch["status"] == "cancelled" and batch["request_counts"]["completed"] == 1
     assert started == [0.0, 30.0, 30.0, 30.0]  # the finished line never ran again
+
+
+def test_a_claim_of_a_killed_process_on_this_host_is_taken_at_once(store_target):
+    """A server restarted after a SIGKILL resumes at once: the claim names its dead predecessor's
+    process. Claims of live processes, of other hosts, and of other pid namespaces keep their lease."""
+    store = BatchStore(Database(store_target))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = BatchRunner(store, _complete).owner.rpartition("/")[0].rpartition("/")[0]  # host/namespace
+    host, namespace = here.split("/")
+
+    async def run() -> None:
+        for holder, taken in [(f"{here}/{os.getppid()}/x", False),           # alive: the test's parent
+                              (f"other-host/{namespace}/{dead.pid}/x", False),
+                              (f"{host}/{namespace}1/{dead.pid}/x", False),    # another container
+                              ("0123456789abcdef", False),                        # an older server's claim
+                              (f"{here}/{dead.pid}/x", True)]:
+            batch_id = _create(store, [30.0], window=60.0)
+            assert store.claim(batch_id, holder, time.time(), LEASE)
+            runner = BatchRunner(store, _complete)
+            runner.sweep()
+            assert (batch_id in runner._tasks) == taken, holder
+            assert store.claimant(batch_id) == (runner.owner if taken else holder)
+            await runner.shutdown()
+
+    asyncio.run(run())
 
 
 def test_a_cancel_asked_of_another_server_stops_the_job_at_the_next_sweep(store_target):

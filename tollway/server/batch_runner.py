@@ -5,12 +5,16 @@ it left off after a restart.
 Servers that share a database share its jobs, and each job runs on one of them at a time: the
 server running it holds a claim in the store and renews it every SWEEP seconds. Each sweep
 also takes up unfinished jobs whose claim lapsed (their server died or stopped), and notices
-jobs another server was asked to cancel.
+jobs another server was asked to cancel. A claim names its server's host, process namespace and
+pid, so a server restarted on the same host takes over at once from one that was killed there,
+rather than after its lease.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,7 +34,7 @@ class BatchRunner:
         """complete(url, body, owner): the response body of one line, run as the request of the
         key that owns the batch (batch_store.owner), or raises APIError."""
         self.store, self.complete, self.concurrency = store, complete, concurrency
-        self.owner = uuid.uuid4().hex  # this server, in the claims it holds
+        self.owner = f"{_this_process()}/{uuid.uuid4().hex}"  # this server, in the claims it holds
         self._tasks: dict[str, asyncio.Task] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -41,7 +45,7 @@ class BatchRunner:
 
     def start(self, batch_id: str) -> None:
         """Run the job here, unless another live server has claimed it."""
-        if self.store.claim(batch_id, self.owner, time.time(), LEASE):
+        if self.store.claim(batch_id, self.owner, time.time(), LEASE) or self._take_from_dead(batch_id):
             self._tasks[batch_id] = asyncio.create_task(self._run(batch_id), name=f"batch {batch_id}")
 
     def sweep(self) -> None:
@@ -55,6 +59,14 @@ class BatchRunner:
                 task.cancel()  # _run finishes it as cancelled
             elif not self.store.claim(batch_id, self.owner, time.time(), LEASE):
                 self._tasks.pop(batch_id).cancel()  # this server stalled past its lease: another took over
+
+    def _take_from_dead(self, batch_id: str) -> bool:
+        """Claim the job if its claim is held by a process of this host that no longer exists."""
+        holder = self.store.claimant(batch_id)
+        if holder is None or not _died_here(holder):
+            return False
+        self.store.release(batch_id, holder)
+        return self.store.claim(batch_id, self.owner, time.time(), LEASE)  # False if a peer was quicker
 
     async def cancel(self, batch_id: str) -> dict:
         """Cancel the job; if another server runs it, that server stops it at its next sweep."""
@@ -148,6 +160,34 @@ class BatchRunner:
 
 # What OpenAI writes to the error file for each line an expired batch never ran.
 _EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+
+
+def _this_process() -> str:
+    """host/pid namespace/pid: two servers in different containers of one host differ in the
+    namespace, so neither takes the other's pid for its own."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc: the pid alone, on this host
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}/{os.getpid()}"
+
+
+def _died_here(owner: str) -> bool:
+    """True when `owner` (a claim's) was a process of this host and namespace that is gone.
+    Anything else, including a claim of this very process or a pid now reused, counts as alive:
+    its lease then decides."""
+    host_ns_pid, _, _ = owner.rpartition("/")
+    here, _, _ = _this_process().rpartition("/")
+    where, _, pid = host_ns_pid.rpartition("/")
+    if where != here or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, as another user's process
+        return False
+    return False
 
 
 def _line(custom_id: str, response: dict | None, error: dict | None) -> dict:

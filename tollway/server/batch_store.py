@@ -156,6 +156,15 @@ class BatchStore:
             "expires = excluded.expires WHERE batch_claims.owner = excluded.owner OR batch_claims.expires <= ?",
             (batch_id, owner, now + lease, now)) == 1
 
+    def claimant(self, batch_id: str) -> str | None:
+        """The owner of the job's claim, live or lapsed; None when none was made."""
+        rows = self.database.query("SELECT owner FROM batch_claims WHERE batch_id = ?", (batch_id,))
+        return rows[0][0] if rows else None
+
+    def release(self, batch_id: str, owner: str) -> None:
+        """Drop the job's claim if `owner` still holds it."""
+        self.database.run("DELETE FROM batch_claims WHERE batch_id = ? AND owner = ?", (batch_id, owner))
+
     def unclaim(self, owner: str) -> None:
         self.database.run("DELETE FROM batch_claims WHERE owner = ?", (owner,))
 
