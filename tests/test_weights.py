@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tollway.gguf_file import GGUFFile
 from tollway.model import weights
 from tollway.model_config import ModelConfig, UnsupportedModelError
 from tollway.checkpoint import ModelNotFoundError
@@ -256,7 +257,7 @@ def _write_gguf(path, arch: str, rope_freqs: np.ndarray | None = None) -> None:
 def test_gguf_rope_freqs_become_freq_factors(tmp_path):
     factors = np.array([1.0, 1.0, 2.5, 8.0, 8.0, 8.0, 8.0, 8.0], dtype=np.float32)
     _write_gguf(tmp_path / "m.gguf", "llama", factors)
-    config = ModelConfig.from_gguf(gguf.GGUFReader(tmp_path / "m.gguf"))
+    config = ModelConfig.from_gguf(GGUFFile(tmp_path / "m.gguf"))
     assert config.rope_scaling == {"rope_type": "freq_factors", "factors": factors.tolist()}
     assert (config.head_dim, config.num_kv_heads, config.vocab_size) == (16, 2, 10)
 

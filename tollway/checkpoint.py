@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
-from gguf import GGUFReader
 
+from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
 from tollway.text.tokenizer import save_gguf_tokenizer
 
@@ -82,7 +82,7 @@ def model_config(model: str | os.PathLike | None, cache_dir: str | os.PathLike |
     folder = cache_folder(source, cache_root(cache_dir))
     if cache_complete(folder):
         return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    return ModelConfig.from_gguf(GGUFReader(source))
+    return ModelConfig.from_gguf(GGUFFile(source))
 
 
 def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path | None:
@@ -101,7 +101,7 @@ def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike
     alone.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alone.name}.tmp-", dir=alone.parent))
     try:
-        if not save_gguf_tokenizer(source, GGUFReader(source), tmp):
+        if not save_gguf_tokenizer(source, GGUFFile(source), tmp):
             return None
         try:
             os.replace(tmp, alone)

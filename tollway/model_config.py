@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from tollway.gguf_file import GGUFFile
 
 # HF model_type -> the architecture that runs it. llama.py covers the Llama-shaped family by flags.
 _HF_ARCHITECTURES = {
@@ -118,7 +118,7 @@ class ModelConfig:
         return _llama_from_hf(cfg)
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader) -> ModelConfig:
+    def from_gguf(cls, reader: GGUFFile) -> ModelConfig:
         """From a GGUF file's metadata; a few flags are read off which tensors the file has."""
         return _from_gguf(reader)
 
@@ -240,10 +240,9 @@ def _llama_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _from_gguf(reader: GGUFReader) -> ModelConfig:
+def _from_gguf(reader: GGUFFile) -> ModelConfig:
     def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return reader.metadata.get(key, default)
 
     gguf_arch = field("general.architecture")
     if gguf_arch not in _GGUF_ARCHITECTURES:

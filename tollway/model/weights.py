@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
 from gguf.quants import dequantize
 import torch
 from safetensors import SafetensorError
@@ -25,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from tollway.checkpoint import CACHE_FORMAT, ModelNotFoundError, cache_complete, cache_folder, cache_root, resolve_model
+from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
 from tollway.text.tokenizer import save_gguf_tokenizer
 
@@ -178,7 +178,7 @@ def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dic
     elif folder.exists():
         _log.warning("converted weights in %s are incomplete; converting again", folder)
     _log.info("converting %s once; later loads read %s", path, folder)
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     config = ModelConfig.from_gguf(reader)
     tensors = _convert_gguf_tensors(reader, config, progress)
     _check_tensors(tensors, config, path)
@@ -193,7 +193,7 @@ def _read_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Pat
     return config, tensors, folder if (folder / "tokenizer.json").is_file() else None
 
 
-def _write_cache(folder: Path, source: Path, reader: GGUFReader, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> bool:
+def _write_cache(folder: Path, source: Path, reader: GGUFFile, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> bool:
     """Write the cache folder atomically: a temp folder beside it, renamed into place when complete."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -225,9 +225,9 @@ def _install(tmp: Path, folder: Path) -> None:
             raise
 
 
-def _convert_gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool) -> dict[str, torch.Tensor]:
+def _convert_gguf_tensors(reader: GGUFFile, config: ModelConfig, progress: bool) -> dict[str, torch.Tensor]:
     # llama.cpp's converter interleaves Q/K rows for its rotary layout in the llama architecture only.
-    permuted = reader.fields["general.architecture"].contents() == "llama"
+    permuted = reader.metadata["general.architecture"] == "llama"
     tensors = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":

@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.processors import TemplateProcessing
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from tollway.gguf_file import GGUFFile
 
 _REPLACEMENT = "\ufffd"
 # Gemma's turn markers; a vocabulary that has them gets Gemma's chat format when it has no template.
@@ -157,10 +157,10 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
-def save_gguf_tokenizer(gguf_path: Path, reader: GGUFReader, folder: Path) -> bool:
+def save_gguf_tokenizer(gguf_path: Path, reader: GGUFFile, folder: Path) -> bool:
     """Write tokenizer.json, tokenizer_config.json and generation_config.json for the tokenizer in a
     GGUF file's metadata into `folder`. Returns False when the file has no tokenizer. Slow (seconds)."""
-    if "tokenizer.ggml.tokens" not in reader.fields:
+    if "tokenizer.ggml.tokens" not in reader.metadata:
         return False
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
@@ -176,9 +176,9 @@ def save_gguf_tokenizer(gguf_path: Path, reader: GGUFReader, folder: Path) -> bo
     backend.save(str(folder / "tokenizer.json"))
     tokenizer_config = {k: config.get(k) for k in ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template")}
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    eos_ids = [reader.fields[key].contents() for key in
+    eos_ids = [reader.metadata[key] for key in
                ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-               if key in reader.fields]
+               if key in reader.metadata]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
     return True
 
@@ -187,22 +187,22 @@ _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", 
                       "pad_token": "padding_token_id"}
 
 
-def _gguf_tokenizer_spec(reader: GGUFReader) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _gguf_tokenizer_spec(reader: GGUFFile) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(architecture, tokenizer fields, tokenizer config) as transformers' get_gguf_tokenizer gives
-    them, read with the gguf package's reader: transformers' own loads torch."""
+    them, read with tollway's GGUF reader: transformers' own loads torch."""
     from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
 
-    fields = reader.fields
-    grouped = {group: {name: fields[f"tokenizer.{key}"].contents() for key, name in renames.items()
+    fields = reader.metadata
+    grouped = {group: {name: fields[f"tokenizer.{key}"] for key, name in renames.items()
                        if f"tokenizer.{key}" in fields}
                for group, renames in GGUF_TOKENIZER_MAPPING.items()}
     tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
     if tokenizer.get("tokenizer_type") == "llama":
         config.setdefault("add_bos_token", True)  # older files have no flag; llama.cpp adds BOS
     for name, key in _SPECIAL_TOKEN_IDS.items():
-        field = fields.get(f"tokenizer.ggml.{key}")
-        config[name] = tokenizer["tokens"][field.contents()] if field is not None else None
-    return fields["general.architecture"].contents(), tokenizer, config
+        token_id = fields.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return fields["general.architecture"], tokenizer, config
 
 
 def _read_json(path: Path) -> dict[str, Any]:
