@@ -28,11 +28,12 @@ def _cpu_model_and_flags() -> tuple[str, set[str]]:
 
 
 def cpu_kind_suffix() -> str:
-    """'' on an AVX-512 CPU, else '-avx2' or '-portable': the native kernels differ by kind, so a
-    kernel-bound benchmark keeps one record per kind rather than overwriting the other's."""
+    """'-amx' on an AVX-512 CPU with AMX tiles, '' on one without, else '-avx2' or '-portable':
+    the native kernels (tollway's and the peer's) differ by kind, so a kernel-bound benchmark
+    keeps one record per kind rather than overwriting the other's."""
     flags = _cpu_model_and_flags()[1]
     if {"avx512f", "avx512bw"} <= flags:
-        return ""
+        return "-amx" if "amx_int8" in flags else ""
     return "-avx2" if "avx2" in flags else "-portable"
 
 
@@ -88,7 +89,7 @@ def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, f
     json path, *figure paths) -> the README section (written only for a full run).
     options: {name: argparse keywords} for a benchmark's own flags (--name); each value joins
     the settings under its name. per_cpu_kind: the JSON and the README section are the CPU
-    kind's own (name-avx2 on an AVX2-only machine; see cpu_kind_suffix)."""
+    kind's own (name-avx2 on an AVX2-only machine, name-amx on one with AMX; see cpu_kind_suffix)."""
     if per_cpu_kind:
         name += cpu_kind_suffix()
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])

@@ -8,7 +8,8 @@ GGUF (Gemma 3 270M Q4_K_M), one after the other in one run, under the same `toll
 The peer is built on the first run: `llama-server` and `llama-batched-bench` from the
 `vendor/llama.cpp` of the pinned `llama-cpp-python` sdist on PyPI, with CMake and
 `-DGGML_NATIVE=ON`, into the user cache (`<cache>/tollway/llama.cpp/<version>/`); later runs
-reuse it. Needs cmake and a C++ compiler for that first build.
+reuse it. A build that crashes on the default GGUF on a CPU with AMX is rebuilt without AMX (see
+peer_binaries). Needs cmake and a C++ compiler for that first build.
 
 Loads, each with its own prompts (the same prompts for both servers; `ignore_eos`, so both
 generate exactly the requested tokens; greedy): 1 stream, 16 and 64 concurrent streams (128-token
@@ -88,19 +89,57 @@ QUICK = dict(loads=[Load("1 stream", 1, 128, 32, 2, 1), Load("16 streams", 16, 1
 
 # --- The peer's binaries --------------------------------------------------------------------
 
+NATIVE = "GGML_NATIVE"
+NATIVE_WITHOUT_AMX = "this CPU's instruction sets without AMX"
+# GGML_NATIVE's own options for the instruction sets it would enable, by /proc/cpuinfo flag
+GGML_ISA_OPTIONS = (("sse4_2", "GGML_SSE42"), ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("bmi2", "GGML_BMI2"),
+                    ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"), ("avx_vnni", "GGML_AVX_VNNI"),
+                    ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
+                    ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"))
+
+
 def peer_binaries() -> dict:
-    """{'folder', 'build_seconds', ...}: llama.cpp built for this CPU, from the cache or built now."""
+    """{'folder', 'build', 'build_seconds', ...}: llama.cpp built for this CPU, from the cache or built
+    now, and checked once on the default GGUF. Where the GGML_NATIVE build crashes there and the
+    CPU has AMX (its AMX matmul died of SIGSEGV on Gemma 3 270M on a Xeon with AMX), the peer is
+    rebuilt with every instruction set GGML_NATIVE would use but AMX: what a user does next."""
     folder = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
     stamp = folder / "build.json"
     cpu = _cpu_flags()
-    if stamp.is_file():
-        built = json.loads(stamp.read_text())
-        if built["cpu_flags"] == cpu and all((folder / t).is_file() for t in PEER_TARGETS):
-            return built | {"folder": str(folder), "built_now": False}
+    built, built_now = json.loads(stamp.read_text()) if stamp.is_file() else None, False
+    if built and (built["cpu_flags"] != cpu or not all((folder / t).is_file() for t in PEER_TARGETS)):
         print("vs_llamacpp: the cached llama.cpp was built for another CPU; rebuilding", file=sys.stderr)
-    built = _build_peer(folder) | {"cpu_flags": cpu, "llama_cpp_python": LLAMA_CPP_PYTHON}
+        built = None
+    if built is None:
+        built, built_now = _build_peer(folder, ["-DGGML_NATIVE=ON"]) | {"build": NATIVE}, True
+    built.setdefault("build", NATIVE)  # a stamp from before the check
+    if "checked" not in built:
+        crash = _crash_of(folder)
+        if crash and built["build"] == NATIVE and "amx_int8" in cpu:
+            print(f"vs_llamacpp: the GGML_NATIVE llama.cpp {crash} on the default GGUF; rebuilding it without AMX",
+                  file=sys.stderr)
+            options = ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in cpu else 'OFF'}"
+                                               for flag, option in GGML_ISA_OPTIONS]
+            built, built_now = _build_peer(folder, options) | {
+                "build": NATIVE_WITHOUT_AMX, "build_options": options,
+                "why": f"the GGML_NATIVE build (AMX on) {crash} on the default GGUF"}, True
+            crash = _crash_of(folder)
+        if crash:
+            raise SystemExit(f"vs_llamacpp: llama.cpp's llama-batched-bench {crash} on the default GGUF")
+        built["checked"] = True
+    built |= {"cpu_flags": cpu, "llama_cpp_python": LLAMA_CPP_PYTHON}
     stamp.write_text(json.dumps(built, indent=1) + "\n")
-    return built | {"folder": str(folder), "built_now": True}
+    return built | {"folder": str(folder), "built_now": built_now}
+
+
+def _crash_of(folder: Path) -> str | None:
+    """None when llama-batched-bench runs a short prefill and decode at 1 and 8 sequences, else how it died."""
+    command = [str(folder / "llama-batched-bench"), "-m", str(resolve_model(DEFAULT_MODEL)), "-c", "1024",
+               "-npp", "32", "-ntg", "4", "-npl", "1,8"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    return f"died of {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exited {done.returncode}"
 
 
 def _cpu_flags() -> list[str]:
@@ -111,7 +150,7 @@ def _cpu_flags() -> list[str]:
     return []
 
 
-def _build_peer(folder: Path) -> dict:
+def _build_peer(folder: Path, isa_options: list[str]) -> dict:
     missing = [tool for tool in ("cmake", os.environ.get("CXX", "c++"), os.environ.get("CC", "cc"))
                if shutil.which(tool) is None]
     if missing:
@@ -134,7 +173,7 @@ def _build_peer(folder: Path) -> dict:
         build = tmp / "build"
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run_or_exit(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
-                      "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                      *isa_options, "-DLLAMA_CURL=OFF",
                       # static, so the two binaries are all the cache keeps; and nothing the run
                       # does not need (no tests, examples, web UI download or TLS)
                       "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -323,6 +362,7 @@ def run(settings: dict, quick: bool) -> dict:
     return {"command": f"python benchmarks/vs_llamacpp.py{flags}", "threads": threads,
             "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
             "peer": {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": peer["llama_cpp_commit"],
+                     "build": peer["build"], "build_options": peer.get("build_options"), "why": peer.get("why"),
                      "build_seconds": peer["build_seconds"], "built_now": peer["built_now"],
                      "llama_server_command": " ".join([Path(llama[0]).name, *llama[1:]])
                      .replace(str(gguf), "<gguf>").replace(f"--port {port}", "--port <port>")},
@@ -388,7 +428,9 @@ def markdown(r: dict, raw: str) -> str:
     return (f"Measured {r['date']} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
             f"{', '.join(m['isa_flags'])}), torch {m['torch']}; tollway at {source['commit'][:10]}{dirty}; "
             f"llama.cpp {peer['llama_cpp_commit']} (from llama-cpp-python {peer['llama_cpp_python']}), built with "
-            f"GGML_NATIVE in {peer['build_seconds'] / 60:.0f} min. Load average {m['load_average_at_start']:.1f} at "
+            f"{peer.get('build', NATIVE)} in {peer['build_seconds'] / 60:.0f} min"
+            + (f" ({peer['why']}: its options `{' '.join(peer['build_options'])}`)" if peer.get("why") else "")
+            + f". Load average {m['load_average_at_start']:.1f} at "
             f"start, {m['load_average_at_end']:.1f} at end. Raw: `{raw}`.\n\n"
             f"Both on `{r['gguf']}`, one after the other, each under the same `tollway bench` loads (greedy, "
             f"`ignore_eos`; the first wave of each load is warm-up): {loads}. `tollway serve --threads "
