@@ -75,6 +75,40 @@ def test_all_paths_give_the_same_bits(native_library, m, k, n):
         assert torch.equal(y, results["portable"]), isa
 
 
+def _small_value_weights(n: int, k: int, full_range_rows: slice, seed: int) -> torch.Tensor:
+    """A GGUF Q5_0 weight as it dequantizes, d * (q - 16) with q in 0..31 and an fp16 d per block of
+    32 (each block holding a q of 0, so q8 packs it exactly with |values| <= 16), except the rows in
+    `full_range_rows`, which are plain floats."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 32, (n, k), generator=g)
+    q[:, ::32] = 0
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half().float()
+    w = (q - 16).float() * d.repeat_interleave(32, dim=1)
+    w[full_range_rows] = torch.randn(w[full_range_rows].shape, generator=g) * 0.05
+    return w
+
+
+@pytest.mark.parametrize("m,n", [(1, 40), (5, 300), (64, 64), (13, 1000)])
+def test_tiles_of_small_values_give_the_same_bits_on_every_path(native_library, m, n):
+    """AVX2 takes a tile whose values all lie within +-16 another way (tile_avx2_small): the tiles
+    packed so, and those beside them that are not, give every path's bits."""
+    k = 640
+    w = _small_value_weights(n, k, slice(16, 32), seed=6)  # the second tile is full range
+    x = _inputs(m, k, n, seed=7)[0]
+    packed = native_library.pack(w)
+    tiles = -(-n // 16)
+    largest = packed.data[tiles * (k // 32) * (16 * 32 + 16 * 2):]
+    assert largest.numel() == tiles
+    expected = [127 if t == 1 else 16 for t in range(tiles)]  # each block's 127 steps, or its q = 0 at 16
+    assert largest.tolist() == expected
+    results = {isa: packed(x, isa) for isa in native_library.supported}
+    for isa, y in results.items():
+        assert torch.equal(y, results["portable"]), isa
+        assert torch.equal(packed.argmax(x, isa), y.argmax(dim=1)), isa
+    exact = x.double() @ w.double().T
+    assert float((results["portable"] - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
 def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_library):
     x, w = _inputs(64, 640, 1000, seed=2)
     packed = native_library.pack(w)
