@@ -87,12 +87,13 @@ def roofline(gemm_n: int) -> dict:
     return out
 
 
-def weight_bytes(model, kernel: str) -> int:
+def weight_bytes(model, kernel: str, rows: int) -> int:
+    """What a matmul of `rows` rows through every linear layer reads of the weights."""
     per = {"q8": 4, "int8": 1, "bf16": 2, "fp32": 4}[kernel]  # q8 where it runs on torch fp32
     total = 0
     for lin in model_linears(model):
         if kernel == "q8" and lin.native is not None:
-            total += lin.native.data.numel()  # int8 or 4-bit weights and their scales, packed
+            total += lin.native.streamed_bytes(rows)  # 4-, 5- or 8-bit weights and their scales, packed
             continue
         total += lin.out_features * lin.in_features * per
         if kernel == "int8":
@@ -107,7 +108,7 @@ def step_bytes(engine: Engine, b: int, context: int) -> dict:
     per_position = 2 * cfg.num_kv_heads * cfg.head_dim * cache.k.element_size()
     window = cfg.sliding_window or context
     kv = b * per_position * sum(min(context, window) if kind == "sliding" else context for kind in cfg.layer_types)
-    weights = weight_bytes(engine.runner.model, "q8")
+    weights = weight_bytes(engine.runner.model, "q8", b)
     return {"weights": weights, "kv": kv, "total": weights + kv, "context": context}
 
 
@@ -120,7 +121,7 @@ def floors_at(b: int, models: dict) -> dict:
     out = {}
     for kernel, model in tqdm(models.items(), desc=f"matmul floors b={b}", leave=False):
         seconds = matmul_floor_seconds(model, kernel, b, repeats=FLOOR_REPEATS[kernel])
-        out[kernel] = {"seconds": seconds, "weight_gb_s": weight_bytes(model, kernel) / seconds / 1e9,
+        out[kernel] = {"seconds": seconds, "weight_gb_s": weight_bytes(model, kernel, b) / seconds / 1e9,
                        "gflop_s": matmul_flops(model, b) / seconds / 1e9}
     best = min(out, key=lambda k: out[k]["seconds"])
     return {"kernels": out, "best": best, "best_seconds": out[best]["seconds"]}

@@ -32,9 +32,10 @@ FULL = dict(rows=(1, 4, 16, 64), repeats=7)
 QUICK = dict(rows=(1, 64), repeats=3)
 
 
-def weight_bytes(linears, kernel: str) -> int:
-    if kernel == "q8":  # packed, with their scales (4-bit where the GGUF's blocks are, int8 elsewhere)
-        return sum(lin.packed(kernel).data.numel() for lin in linears)
+def weight_bytes(linears, kernel: str, rows: int) -> int:
+    """What a call of `rows` rows through every linear layer reads of the weights."""
+    if kernel == "q8":  # packed, with their scales (4- or 5-bit where the GGUF's blocks are, int8 elsewhere)
+        return sum(lin.packed(kernel).streamed_bytes(rows) for lin in linears)
     per = {"int8": 1, "bf16": 2, "fp32": 4}[kernel]
     return sum(lin.out_features * lin.in_features * per for lin in linears)
 
@@ -57,7 +58,8 @@ def run(settings: dict, quick: bool) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "settings": settings, "threads": torch.get_num_threads(), "isa": library.isa,
         "read_gb_s": read_gb_s, "dot_peak_gmac_s": peak / 1e9,
-        "weight_bytes": {k: weight_bytes(linears, k) for k in KERNELS}, "rows": {},
+        "weight_bytes": {rows: {k: weight_bytes(linears, k, rows) for k in KERNELS} for rows in settings["rows"]},
+        "rows": {},
     }
     for rows in settings["rows"]:
         for kernel in KERNELS:
@@ -75,7 +77,7 @@ def run(settings: dict, quick: bool) -> dict:
         result["rows"][rows] = {
             "ms": ms,
             "q8_speedup": {k: ms[k] / ms["q8"] for k in KERNELS if k != "q8"},
-            "q8_over_bandwidth_floor": q8_s / (result["weight_bytes"]["q8"] / (read_gb_s * 1e9)),
+            "q8_over_bandwidth_floor": q8_s / (result["weight_bytes"][rows]["q8"] / (read_gb_s * 1e9)),
             "q8_of_dot_peak": rows * macs_per_row / q8_s / peak,
             "q8_lm_head_ms": {k: statistics.median(v) * 1e3 for k, v in head.items()},
         }

@@ -127,8 +127,9 @@ def test_q4_k_weights_repack_losslessly(native_library):
 
 
 def test_the_default_models_tensors_pack_exactly_as_their_gguf_blocks(native_library, default_weights):
-    """q8 packs a Q4_K tensor as 4-bit, and a Q5_0 or Q8_0 one as int8 blocks holding the file's own
-    values: each product is then the exact sum over the GGUF's weights of the quantized activations."""
+    """q8 packs a Q4_K tensor as 4-bit, a Q5_0 one as 5-bit and a Q8_0 one as int8 blocks, each holding
+    the file's own values: each product is then the exact sum over the GGUF's weights of the quantized
+    activations."""
     t = default_weights.tensors
     q4_k = t["model.layers.0.self_attn.o_proj.weight"]  # Q4_K in the default GGUF
     q5_0 = t["model.layers.0.self_attn.q_proj.weight"]
@@ -139,9 +140,9 @@ def test_the_default_models_tensors_pack_exactly_as_their_gguf_blocks(native_lib
     assert torch.equal(on_q4(x, "q8"), native_library.pack_q4(q4_k)(x))
     x = torch.randn(3, 640)
     qx, sx = _quantized_rows(x)
-    for w in (q5_0, q8_0):
+    for w, kind in ((q5_0, "q5"), (q8_0, "q8")):
         on_q8 = Linear(w, None, {"q8"}, torch.device("cpu"), q8=native_library)
-        assert on_q8.native.kind == "q8"
+        assert on_q8.native.kind == kind
         exact = torch.einsum("mbi,nbi->mnb", qx * sx.unsqueeze(-1), w.double().view(w.shape[0], -1, 32)).sum(-1)
         assert torch.allclose(on_q8(x, "q8").double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
     # A weight on no GGUF grid is rounded to int8 blocks: the same product no longer holds exactly.

@@ -42,7 +42,8 @@ class Linear:
     q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given and
     in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for it. Its
     copy is packed as exactly as the weight allows: 4-bit with a scale and min per block of 32 where
-    every block is so (a GGUF's Q4_K), else int8 blocks (exact for Q8_0, Q5_0 and Q4_0)."""
+    every block is so (a GGUF's Q4_K), 5-bit with a scale where every block is so (Q5_0), else
+    int8 blocks (exact for Q8_0 and Q4_0)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
                  int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None,
@@ -60,7 +61,7 @@ class Linear:
 
     def _packed(self, q8: Q8Library, w: torch.Tensor, arena: HugePageArena | None):
         try:
-            return q8.pack_q4(w, arena) or q8.pack(w, arena)
+            return q8.pack_q4(w, arena) or q8.pack_q5(w, arena) or q8.pack(w, arena)
         except ValueError as exc:  # shapes or values the kernel does not cover
             _log.warning("q8: a %dx%d linear runs the fp32 matmul: %s", self.out_features, self.in_features, exc)
             return None

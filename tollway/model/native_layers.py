@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
-from tollway.model.native.qmatmul import ISAS, Q8Library
+from tollway.model.native.qmatmul import ISAS, KINDS, Q8Library
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # row_ops.c's gated_act kinds
 KEPT_SCRATCH_TOKENS = 256
@@ -52,7 +52,7 @@ class NativeLayers:
         self.q8 = q8
         self._run = row_ops.decoder_layers
         self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], ctypes.c_int
-        self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in ("q8", "q4")}
+        self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in KINDS}
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
         self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}

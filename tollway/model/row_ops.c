@@ -486,7 +486,7 @@ typedef int (*matmul_fn)(const float *x, int64_t ldx, int64_t m, int64_t k, cons
                          int64_t ldy, int32_t isa, int32_t threads);
 
 typedef struct {
-    matmul_fn matmul;  /* q8_matmul or q4_matmul */
+    matmul_fn matmul;  /* q8_matmul, q4_matmul or q5_matmul */
     const void *packed;
     const float *bias;  /* [n] or NULL */
     int64_t n, k;

@@ -29,6 +29,19 @@ tile is 4 chunks of 64 bytes, chunk p holding groups p (low nibbles) and p + 4 (
 
 and every path sums acc = fma(scale_b * (float)isum_b - min_b * (float)xsum_b, xscale_b, acc), with
 isum_b = dot(q, xq) exact in integers and xsum_b the sum of the block's quantized activations.
+
+q5 (packed by q5_pack from 5-bit values q in 0..31 with an fp16 scale d per block, w = d * (q - 16):
+GGUF's Q5_0 exactly, in its 5.5 bits a weight where q8 takes 8.5) keeps q's low 4 bits as q4 does,
+then its fifth bits, 64 bytes: bit g of byte j is the fifth bit of byte j of group g's 64 bytes
+(the 16-rows-x-4-bytes order), then the 16 fp16 scales:
+
+    tile t: [nb] x ([4][16][4] u8 nibble pairs, [64] u8 fifth bits, [16] fp16 scales)
+
+A block's isum is dot(q - 16, xq), so every path sums what q8 does (acc = fma((float)isum_b,
+wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits. After the q5 tiles,
+the same weights in q8's layout (values q - 16, the same scales) serve calls of more rows than
+q5_rows(isa): there the matmul is no longer bound by reading its weights, and taking the fifth bits
+apart at every pass cost more than the bytes saved.
 */
 #define _GNU_SOURCE
 #include <math.h>
@@ -74,6 +87,25 @@ int64_t q8_packed_bytes(int64_t n, int64_t k) {
 static int64_t q4_tile_bytes(int64_t k) { return (k / QBLOCK) * Q4_BLOCK_BYTES; }
 
 int64_t q4_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q4_tile_bytes(k); }
+
+#define Q5_HIGH (TILE * QBLOCK / 8)                          /* fifth-bit bytes of one tile and block */
+#define Q5_BLOCK_BYTES (Q4_NIBBLES + Q5_HIGH + TILE * 2)     /* then the fp16 scales */
+#define Q5_OFFSET 16                                         /* w = d * (q - 16) */
+
+static int64_t q5_tile_bytes(int64_t k) { return (k / QBLOCK) * Q5_BLOCK_BYTES; }
+
+/* The q5 tiles, then the q8 packing of the same weights. */
+int64_t q5_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5_tile_bytes(k) + q8_packed_bytes(n, k); }
+
+/* The most rows a call runs on q5's tiles, past which it runs on their q8 copy. Measured on 18
+   layers' 4096 x 640 Q5_0 weights (Zen 4; q8 time over q5): AVX-512 1.56 at 1 row, 1.11 at 4, 0.97
+   at 8; AVX2 1.23 at 1 row, 1.05 at 2, 0.95 at 4. */
+static int64_t q5_rows(int isa) { return isa == ISA_AVX512VNNI ? 4 : 2; }
+
+/* What a call of m rows reads of a q5 packing: its q5 tiles, or its q8 copy. */
+int64_t q5_streamed_bytes(int64_t m, int64_t n, int64_t k, int isa) {
+    return m > q5_rows(isa) ? q8_packed_bytes(n, k) : (n + TILE - 1) / TILE * q5_tile_bytes(k);
+}
 
 /* ---- fp16 <-> fp32, portable and exact (the SIMD paths convert scales with F16C) ---- */
 
@@ -364,6 +396,73 @@ void q4_pack(const uint8_t *q, const float *scale, const float *min, int64_t n, 
     }
 }
 
+/* w: [n, k] float32 as q5's parts, q [n, k] in 0..31 and d [n, k / 32] fp16 bits, with d * (q - 16)
+   == w in float32 for every value; or -1 at the first block of 32 that is not so. d is the largest
+   |value| over its |q - 16|, tried from 16 (a block holding a q of 0, as Q5_0 quantizing gives
+   nearly every block; q8 packs such a block with d's magnitude) down to 1, each with either sign:
+   Q5_0's d takes the sign of the block's value of largest magnitude. */
+int q5_fit(const float *w, int64_t n, int64_t k, uint8_t *q, uint16_t *d) {
+    int64_t nb = k / QBLOCK;
+    for (int64_t row = 0; row < n; row++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = w + row * k + b * QBLOCK;
+            uint8_t *dst = q + row * k + b * QBLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) {
+                if (!isfinite(src[i])) return -1;
+                amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+            }
+            uint16_t found = 0;
+            memset(dst, Q5_OFFSET, QBLOCK);  /* a block of zeros: q = 16, d = 0 */
+            for (int tried = 0; tried < 2 * Q5_OFFSET && amax > 0.0f && !found; tried++) {
+                int top = Q5_OFFSET - tried / 2;  /* d = amax / top, then -amax / top */
+                uint16_t half = float_to_half(amax / (float)top) | (uint16_t)(tried % 2 ? 0x8000 : 0);
+                float step = half_to_float(half);
+                int i = 0;
+                for (; i < QBLOCK && step != 0.0f && fabsf(step) < INFINITY; i++) {
+                    float v = round_even(src[i] / step);
+                    if (v < -Q5_OFFSET || v > Q5_OFFSET - 1 || step * v != src[i]) break;
+                    dst[i] = (uint8_t)((int)v + Q5_OFFSET);
+                }
+                if (i == QBLOCK) found = half;
+            }
+            if (amax > 0.0f && !found) return -1;
+            d[row * nb + b] = found;
+        }
+    }
+    return 0;
+}
+
+/* q: [n, k] values 0..31, d: [n, k / 32] fp16 bits; out: q5_packed_bytes(n, k) bytes. */
+void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
+    uint8_t *q8 = out + tiles * q5_tile_bytes(k), *largest = q8 + tiles * q8_tile_bytes(k);
+    memset(out, 0, (size_t)q5_packed_bytes(n, k));  /* padding rows: zero scales */
+    for (int64_t t = 0; t < tiles; t++) {
+        uint8_t *q8_tile = q8 + t * q8_tile_bytes(k);
+        uint16_t *q8_scales = (uint16_t *)(q8_tile + nb * BLOCK_BYTES);
+        memset(q8_tile, 128, (size_t)(nb * BLOCK_BYTES));  /* value 0 */
+        largest[t] = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *block = out + (t * nb + b) * Q5_BLOCK_BYTES, *high = block + Q4_NIBBLES;
+            uint16_t *scales = (uint16_t *)(high + Q5_HIGH);
+            for (int r = 0; r < TILE && t * TILE + r < n; r++) {
+                int64_t row = t * TILE + r;
+                const uint8_t *src = q + row * k + b * QBLOCK;
+                for (int i = 0; i < QBLOCK / 2; i++)  /* groups 0..3 low, 4..7 high */
+                    block[(i / 4) * Q4_CHUNK + r * 4 + i % 4] = (uint8_t)((src[i] & 15) | (src[i + QBLOCK / 2] & 15) << 4);
+                for (int i = 0; i < QBLOCK; i++) {  /* value i is byte r * 4 + i % 4 of group i / 4 */
+                    high[r * 4 + i % 4] |= (uint8_t)((src[i] >> 4) << (i / 4));
+                    int value = src[i] - Q5_OFFSET;
+                    q8_tile[b * BLOCK_BYTES + (i / 4) * TILE * 4 + r * 4 + i % 4] = (uint8_t)(value + 128);
+                    largest[t] = abs(value) > largest[t] ? (uint8_t)abs(value) : largest[t];
+                }
+                scales[r] = q8_scales[b * TILE + r] = d[row * nb + b];
+            }
+        }
+    }
+}
+
 /* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----
    Stored in groups of MAX_ROWS rows, block-major within a group, so a kernel finds block b of
    row r at a fixed offset from the group: values at XQ(b, r), scale and offset at XS(b, r). */
@@ -538,6 +637,30 @@ static void q4_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, 
     }
 }
 
+static void q5_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                             int rows, float *out, const char *ahead, int64_t ahead_step) {
+    (void)xo, (void)ahead, (void)ahead_step;
+    for (int r = 0; r < rows; r++) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = tile + b * Q5_BLOCK_BYTES, *high = w + Q4_NIBBLES;
+            const uint16_t *scales = (const uint16_t *)(high + Q5_HIGH);
+            const int8_t *x = xq + XQ(b, r);
+            for (int lane = 0; lane < TILE; lane++) {
+                int32_t isum = 0;
+                for (int i = 0; i < QBLOCK; i++) {
+                    int g = i / 4, at = lane * 4 + i % 4;
+                    int nibble = (w[(g % 4) * Q4_CHUNK + at] >> (g < 4 ? 0 : 4)) & 15;
+                    isum += (nibble + (((high[at] >> g) & 1) << 4) - Q5_OFFSET) * x[i];
+                }
+                float s = half_to_float(scales[lane]) * xs[XS(b, r)];
+                acc[lane] = fmaf((float)isum, s, acc[lane]);
+            }
+        }
+        memcpy(out + r * TILE, acc, sizeof acc);
+    }
+}
+
 #if defined(__x86_64__)
 
 static inline int32_t group_of(const int8_t *p) {
@@ -677,6 +800,57 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
             ROWS4_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
 }
 
+/* q5 on AVX2, also run for AVX-VNNI: as tile_avx2_small, q (0..31) is the u8 operand and four
+   groups sum in int16 (each pair at most 2 * 31 * 127); a group's fifth bits come from its bit of
+   the block's fifth-bit bytes, shifted to bit 4. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __attribute__((always_inline)) void q5_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
+                                                                const float *xs, const int32_t *xo, int half, int r0,
+                                                                float *out, const char *ahead, int64_t ahead_step,
+                                                                const int n) {
+    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    UNROLLED for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * Q5_BLOCK_BYTES;
+        if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + half * 32));
+        __m256i isum[4];
+        UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)] / 128 * Q5_OFFSET);
+        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* the low nibbles' groups, then the high ones' */
+            __m256i sum16[4];
+            UNROLLED for (int r = 0; r < n; r++) sum16[r] = _mm256_setzero_si256();
+            UNROLLED for (int g = g0; g < g0 + 4; g++) {
+                __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + half * 32));
+                __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
+                __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
+                __m256i q = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
+                UNROLLED for (int r = 0; r < n; r++) {
+                    __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
+                    sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(q, x));
+                    KEEP_IN_REGISTER(sum16[r]);
+                }
+            }
+            UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+        }
+        const uint16_t *scales = (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH);
+        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + half * 8)));
+        UNROLLED for (int r = 0; r < n; r++) {
+            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
+        }
+    }
+    UNROLLED for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void q5_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                         int rows, float *out, const char *ahead, int64_t ahead_step) {
+    for (int half = 0; half < 2; half++)
+        for (int r0 = 0; r0 < rows; r0 += 4)
+            ROWS4_SWITCH(q5_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
+}
+
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
 #define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
 #define ISUM256_OFFSET 1
@@ -763,6 +937,52 @@ static inline __attribute__((always_inline)) void q4_vnni512_rows(const uint8_t 
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
+/* q5 on AVX512-VNNI: q4's chunks, each group's fifth bits or-ed in at bit 4. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static inline __attribute__((always_inline)) void q5_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
+                                                                   const float *xs, const int32_t *xo, const int rows,
+                                                                   float *out, const char *ahead, int64_t ahead_step) {
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    __m512 acc[MAX_ROWS];
+    UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * Q5_BLOCK_BYTES;
+        const int8_t *x = xq + XQ(b, 0);
+        prefetch_ahead(ahead, ahead_step, b);
+        const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
+        __m512i isum[MAX_ROWS];
+        UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)] / 128 * Q5_OFFSET);
+        UNROLLED for (int p = 0; p < 4; p++) {
+            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+            __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
+                                         _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
+            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
+                                         _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
+            UNROLLED for (int r = 0; r < rows; r++) {
+                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
+                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+            }
+        }
+        const uint16_t *scales = (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH);
+        __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        UNROLLED for (int r = 0; r < rows; r++) {
+            __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[XS(b, r)]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
+        }
+    }
+    UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static void q5_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                               int rows, float *out, const char *ahead, int64_t ahead_step) {
+    switch (rows) {
+#define ROWS_CASE(R) case R: q5_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static void q4_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                                int rows, float *out, const char *ahead, int64_t ahead_step) {
@@ -834,6 +1054,16 @@ static tile_kernel q4_kernel_for(int isa) {
     return q4_tile_portable;
 }
 
+static tile_kernel q5_kernel_for(int isa) {
+#if defined(__x86_64__)
+    switch (isa) {
+        case ISA_AVX2: case ISA_AVXVNNI: return q5_tile_avx2;
+        case ISA_AVX512VNNI: return q5_tile_avx512vnni;
+    }
+#endif
+    return q5_tile_portable;
+}
+
 static tile_kernel q8_small_kernel_for(int isa) {
 #if defined(__x86_64__)
     if (isa == ISA_AVX2) return tile_avx2_small;
@@ -848,7 +1078,8 @@ static tile_kernel no_small_kernel(int isa) {
 }
 
 static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for},
-                    Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel};
+                    Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel},
+                    Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel};
 
 /* ---- the matmul ---- */
 
@@ -911,6 +1142,7 @@ static void matmul_part(void *ctx, int part, int parts) {
         for (int64_t t = first; t < last; t++) {
             int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
             const uint8_t *tile = j->packed + t * tb;
+            tile_kernel kernel = j->small_kernel && j->largest[t] <= SMALL_VALUES ? j->small_kernel : j->kernel;
             for (int64_t r0 = m0, pass = 0; r0 < m1; r0 += MAX_ROWS, pass++) {
                 int rows = (int)(m1 - r0 < MAX_ROWS ? m1 - r0 : MAX_ROWS);
                 /* Only a tile's first pass reads it from memory: a lone pass reads PREFETCH bytes
@@ -921,7 +1153,6 @@ static void matmul_part(void *ctx, int part, int parts) {
                     ahead = (const char *)tile + tb + tb * pass / passes;
                     step = t + 1 < tiles ? (tb + passes * j->nb - 1) / (passes * j->nb) : 0;
                 }
-                tile_kernel kernel = j->small_kernel && j->largest[t] <= SMALL_VALUES ? j->small_kernel : j->kernel;
                 kernel(tile, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows, out, ahead, step);
                 if (!j->y)
                     keep_largest(out, rows, cols, t * TILE, best + r0 * TILE, best_col + r0 * TILE);
@@ -1007,6 +1238,15 @@ int q4_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *
     return run_matmul(&Q4, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
 }
 
+/* The same for W packed by q5_pack: of more than q5_rows(isa) rows, on its q8 copy. */
+int q5_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+              int64_t ldy, int isa, int threads) {
+    if (m > q5_rows(isa))
+        return run_matmul(&Q8, x, ldx, m, k, packed + (n + TILE - 1) / TILE * q5_tile_bytes(k), n, y, ldy, NULL, isa,
+                          threads);
+    return run_matmul(&Q5, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
+}
+
 /* argmax[r] = the column of row r's largest output of the same product (the first on ties),
    without writing the outputs: the greedy token of an LM head. */
 int q8_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
@@ -1017,6 +1257,14 @@ int q8_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const ui
 int q4_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
                      int64_t *argmax, int isa, int threads) {
     return run_matmul(&Q4, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+}
+
+int q5_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                     int64_t *argmax, int isa, int threads) {
+    if (m > q5_rows(isa))
+        return run_matmul(&Q8, x, ldx, m, k, packed + (n + TILE - 1) / TILE * q5_tile_bytes(k), n, NULL, 0, argmax,
+                          isa, threads);
+    return run_matmul(&Q5, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
 }
 
 /* ---- the dot-product peak: registers only, for benchmarks to measure against ---- */

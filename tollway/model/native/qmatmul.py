@@ -1,7 +1,8 @@
 """The CPU's integer matmuls (qmatmul.c): y = x @ W.T with W packed once into blocks of 32 along K,
-and x quantized to int8 blocks of 32 at every call. Two weight formats: q8 (int8 with an fp16
-scale) and q4 (4-bit values 0..15 with an fp32 scale and min, w = scale * q - min: 6 bits a
-weight against q8's 8.5), which takes only weights that are exactly that, such as a GGUF's Q4_K.
+and x quantized to int8 blocks of 32 at every call. Three weight formats: q8 (int8 with an fp16
+scale), q4 (4-bit values 0..15 with an fp32 scale and min, w = scale * q - min: 6 bits a weight
+against q8's 8.5) and q5 (5-bit values 0..31 with an fp16 scale, w = d * (q - 16): 5.5 bits);
+q4 and q5 take only weights that are exactly that, such as a GGUF's Q4_K and Q5_0.
 
 The instruction set is picked at run time from the CPU's flags: AVX512-VNNI, then 256-bit VNNI
 (AVX-VNNI), then AVX2, then portable C. TOLLWAY_ISA, or the `isa` argument, forces a lower one,
@@ -31,6 +32,7 @@ _HEADERS = (_HERE / "qmatmul_tile256.h",)
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
+KINDS = ("q8", "q4", "q5")  # the weight formats
 BLOCK = 32  # K values per scale
 
 
@@ -46,9 +48,13 @@ class Q8Library:
         self._q4_packed_bytes = _bind(lib.q4_packed_bytes, i64, i64, i64)
         self._q4_fit = _bind(lib.q4_fit, i32, p, i64, i64, p, p, p)
         self._q4_pack = _bind(lib.q4_pack, None, p, p, p, i64, i64, p)
+        self._q5_packed_bytes = _bind(lib.q5_packed_bytes, i64, i64, i64)
+        self._q5_fit = _bind(lib.q5_fit, i32, p, i64, i64, p, p)
+        self._q5_pack = _bind(lib.q5_pack, None, p, p, i64, i64, p)
+        self._q5_streamed_bytes = _bind(lib.q5_streamed_bytes, i64, i64, i64, i64, i32)
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
-                         for kind in ("q8", "q4")}  # (matmul, argmax) per weight format
+                         for kind in KINDS}  # (matmul, argmax) per weight format
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
@@ -105,6 +111,34 @@ class Q8Library:
         self._q4_pack(q.data_ptr(), scale.data_ptr(), min.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(self, "q4", data, n, k)
 
+    def pack_q5(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight | None:
+        """weight: [N, K] as q5 when every block of 32 is exactly d * (q - 16) with an fp16 d and q in
+        0..31 (see fit_q5), else None: q5 never changes a weight. ValueError when K is not a
+        multiple of 32."""
+        parts = self.fit_q5(weight)
+        return self.pack_q5_blocks(*parts, arena=arena) if parts is not None else None
+
+    def fit_q5(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, d) with float32(d * (q - 16)) == weight, q [N, K] uint8 in 0..31 and d [N, K / 32] float16,
+        as GGUF's Q5_0 dequantizes; or None when a block is not so (or not finite)."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+        w = weight.float().contiguous()
+        q, d = torch.empty(n, k, dtype=torch.uint8), torch.empty(n, k // BLOCK, dtype=torch.float16)
+        if self._q5_fit(w.data_ptr(), n, k, q.data_ptr(), d.data_ptr()):
+            return None
+        return q, d
+
+    def pack_q5_blocks(self, q: torch.Tensor, d: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
+        """q5 from its parts, w = d * (q - 16): q [N, K] uint8 in 0..31, d [N, K / 32] float16. The packing
+        carries a q8 copy for calls of more than a few rows (see qmatmul.c)."""
+        n, k = q.shape
+        q, d = q.contiguous(), d.to(torch.float16).contiguous()
+        data = _empty(self._q5_packed_bytes(n, k), arena)
+        self._q5_pack(q.data_ptr(), d.data_ptr(), n, k, data.data_ptr())
+        return PackedWeight(self, "q5", data, n, k)
+
     def matmul(self, x: torch.Tensor, weight: PackedWeight, isa: str | None = None) -> torch.Tensor:
         """x: [M, K] float32 (rows may be strided) -> [M, N] float32."""
         x = _rows(x)
@@ -145,7 +179,7 @@ class Q8Library:
 
 
 class PackedWeight:
-    """One weight matrix packed as `kind`, "q8" or "q4" (see qmatmul.c for the layouts)."""
+    """One weight matrix packed as `kind`, one of KINDS (see qmatmul.c for the layouts)."""
 
     def __init__(self, library: Q8Library, kind: str, data: torch.Tensor, out_features: int, in_features: int):
         self.library, self.kind, self.data = library, kind, data
@@ -156,6 +190,14 @@ class PackedWeight:
 
     def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.argmax(x, self, isa)
+
+    def streamed_bytes(self, rows: int, isa: str | None = None) -> int:
+        """What a call of `rows` rows reads of the packing: all of it, but for q5, its q5 tiles or its
+        q8 copy."""
+        if self.kind == "q5":
+            lib = self.library
+            return lib._q5_streamed_bytes(rows, self.out_features, self.in_features, lib._isa_index(isa))
+        return self.data.numel()
 
 
 def _empty(nbytes: int, arena: HugePageArena | None) -> torch.Tensor:
