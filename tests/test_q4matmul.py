@@ -15,6 +15,8 @@ from gguf.quants import dequantize
 from tollway.model.layers import Linear
 from tollway.model.native.qmatmul import ISAS
 
+from quantized_rows import quantized_rows
+
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 # (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial tile.
@@ -47,18 +49,10 @@ def _inputs(m, k, n, seed=0):
     return x, _dequantized(q, scale, min), (q, scale, min)
 
 
-def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as qmatmul.c quantizes it, in float64: int8 values [M, K / 32, 32], a scale per block."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
-    return qx, (amax / 127).double()
-
-
 def _model(x: torch.Tensor, q, scale, min) -> tuple[torch.Tensor, torch.Tensor]:
     """The q4 product in float64, and the size of its terms (float32 rounds each of them): x in
     int8 per block of 32 with a float32 scale, exact integer block sums."""
-    qx, xs = _quantized_rows(x)
+    qx, xs = quantized_rows(x)
     sums = torch.einsum("mbi,nbi->mnb", qx, q.view(q.shape[0], -1, 32).double())
     scaled, offset = sums * scale.double(), min.double() * qx.sum(-1).unsqueeze(1)
     terms = xs.unsqueeze(1) * (scaled.abs() + offset.abs())
@@ -139,7 +133,7 @@ def test_the_default_models_tensors_pack_exactly_as_their_gguf_blocks(native_lib
     x = torch.randn(3, 1024)
     assert torch.equal(on_q4(x, "q8"), native_library.pack_q4(q4_k)(x))
     x = torch.randn(3, 640)
-    qx, sx = _quantized_rows(x)
+    qx, sx = quantized_rows(x)
     for w, kind in ((q5_0, "q5"), (q8_0, "q8")):
         on_q8 = Linear(w, None, {"q8"}, torch.device("cpu"), q8=native_library)
         assert on_q8.native.kind == kind

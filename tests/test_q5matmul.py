@@ -16,6 +16,8 @@ from gguf.quants import dequantize, quantize
 from tollway.model.layers import Linear
 from tollway.model.native.qmatmul import ISAS
 
+from quantized_rows import quantized_rows
+
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 # (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial
@@ -52,10 +54,7 @@ def _inputs(m, k, n, seed=0):
 def _model(x: torch.Tensor, q, d) -> tuple[torch.Tensor, torch.Tensor]:
     """The q5 product in float64, and the size of its terms (float32 rounds each of them): x in int8
     per block of 32 with a float32 scale, exact integer block sums."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
-    xs = (amax / 127).double()
+    qx, xs = quantized_rows(x)
     sums = torch.einsum("mbi,nbi->mnb", qx, q.view(q.shape[0], -1, 32).double() - 16) * d.double()
     return (sums * xs.unsqueeze(1)).sum(-1), (sums.abs() * xs.unsqueeze(1)).sum(-1)
 

@@ -706,26 +706,39 @@ static inline __m256i avx2_group_dot(__m256i isum, __m256i w, __m256i x) {
    so each int16 pair is at most 2 * 32 * 127 and four groups sum in int16 (< 32767); one
    vpmaddwd widens them. isum = sum(u x) - 16 sum(x), and xo / 8 is -16 sum(x): the same exact
    integer as tile_avx2's, so the same bits. 5 multiply instructions per 4 rows and group where
-   tile_avx2 takes 13: a 4096 x 640 matmul at 64 and 512 rows ran 1.5-1.6x faster (Zen 4, AVX2). */
+   tile_avx2 takes 13: a 4096 x 640 matmul at 64 and 512 rows ran 1.5-1.6x faster (Zen 4, AVX2).
+   The same body runs q5 (q5 = 1; also for AVX-VNNI), whose q is u: each group's low 4 bits from its
+   nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4. */
+_Static_assert(SMALL_VALUES == Q5_OFFSET, "q8's small values and q5's take the same offset");
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                    const float *xs, const int32_t *xo, int half,
                                                                    int r0, float *out, const char *ahead,
-                                                                   int64_t ahead_step, const int n) {
-    const uint16_t *scales = (const uint16_t *)(tile + nb * BLOCK_BYTES);
+                                                                   int64_t ahead_step, const int q5, const int n) {
     const __m256i to_small = _mm256_set1_epi8(128 - SMALL_VALUES), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+    const int64_t block_bytes = q5 ? Q5_BLOCK_BYTES : BLOCK_BYTES;
     __m256 acc[4];
     UNROLLED for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * BLOCK_BYTES + half * 32;
+        const uint8_t *w = tile + b * block_bytes;
         if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        const __m256i high = q5 ? _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + half * 32)) : low;
         __m256i isum[4];
         UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)] / 128 * SMALL_VALUES);
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {
+        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* (q5: the low nibbles' groups, then the high ones') */
             __m256i sum16[4];
             UNROLLED for (int r = 0; r < n; r++) sum16[r] = _mm256_setzero_si256();
             UNROLLED for (int g = g0; g < g0 + 4; g++) {
-                __m256i u = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(w + g * 64)), to_small);
+                __m256i u;
+                if (q5) {
+                    __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + half * 32));
+                    __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
+                    __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
+                    u = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
+                } else {
+                    u = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(w + g * 64 + half * 32)), to_small);
+                }
                 UNROLLED for (int r = 0; r < n; r++) {
                     __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
                     sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(u, x));
@@ -734,7 +747,9 @@ static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t 
             }
             UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
         }
-        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + half * 8)));
+        const uint16_t *scales = q5 ? (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH)
+                                    : (const uint16_t *)(tile + nb * BLOCK_BYTES) + b * TILE;
+        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + half * 8)));
         UNROLLED for (int r = 0; r < n; r++) {
             __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
@@ -748,7 +763,15 @@ static void tile_avx2_small(const uint8_t *tile, int64_t nb, const int8_t *xq, c
                             int rows, float *out, const char *ahead, int64_t ahead_step) {
     for (int half = 0; half < 2; half++)
         for (int r0 = 0; r0 < rows; r0 += 4)
-            ROWS4_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
+            ROWS4_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step, 0)
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void q5_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                         int rows, float *out, const char *ahead, int64_t ahead_step) {
+    for (int half = 0; half < 2; half++)
+        for (int r0 = 0; r0 < rows; r0 += 4)
+            ROWS4_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step, 1)
 }
 
 /* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
@@ -798,57 +821,6 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
     for (int half = 0; half < 2; half++)
         for (int r0 = 0; r0 < rows; r0 += 4)
             ROWS4_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
-}
-
-/* q5 on AVX2, also run for AVX-VNNI: as tile_avx2_small, q (0..31) is the u8 operand and four
-   groups sum in int16 (each pair at most 2 * 31 * 127); a group's fifth bits come from its bit of
-   the block's fifth-bit bytes, shifted to bit 4. */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void q5_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                                const float *xs, const int32_t *xo, int half, int r0,
-                                                                float *out, const char *ahead, int64_t ahead_step,
-                                                                const int n) {
-    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    UNROLLED for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * Q5_BLOCK_BYTES;
-        if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
-        const __m256i high = _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + half * 32));
-        __m256i isum[4];
-        UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)] / 128 * Q5_OFFSET);
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* the low nibbles' groups, then the high ones' */
-            __m256i sum16[4];
-            UNROLLED for (int r = 0; r < n; r++) sum16[r] = _mm256_setzero_si256();
-            UNROLLED for (int g = g0; g < g0 + 4; g++) {
-                __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + half * 32));
-                __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
-                __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
-                __m256i q = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
-                UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                    sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(q, x));
-                    KEEP_IN_REGISTER(sum16[r]);
-                }
-            }
-            UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
-        }
-        const uint16_t *scales = (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH);
-        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + half * 8)));
-        UNROLLED for (int r = 0; r < n; r++) {
-            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
-        }
-    }
-    UNROLLED for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void q5_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                         int rows, float *out, const char *ahead, int64_t ahead_step) {
-    for (int half = 0; half < 2; half++)
-        for (int r0 = 0; r0 < rows; r0 += 4)
-            ROWS4_SWITCH(q5_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
 }
 
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
