@@ -158,6 +158,13 @@ class Q8Library:
                            weight.out_features, out.data_ptr(), self._isa_index(isa), torch.get_num_threads()))
         return out
 
+    def streamed_bytes(self, weight: PackedWeight, rows: int, isa: str | None = None) -> int:
+        """What a call of `rows` rows reads of `weight`'s packing: all of it, but for q5, its q5 tiles
+        or its q8 copy."""
+        if weight.kind == "q5":
+            return self._q5_streamed_bytes(rows, weight.out_features, weight.in_features, self._isa_index(isa))
+        return weight.data.numel()
+
     def _isa_index(self, isa: str | None) -> int:
         return ISAS.index(self.isa if isa is None else self.resolve(isa))
 
@@ -192,12 +199,7 @@ class PackedWeight:
         return self.library.argmax(x, self, isa)
 
     def streamed_bytes(self, rows: int, isa: str | None = None) -> int:
-        """What a call of `rows` rows reads of the packing: all of it, but for q5, its q5 tiles or its
-        q8 copy."""
-        if self.kind == "q5":
-            lib = self.library
-            return lib._q5_streamed_bytes(rows, self.out_features, self.in_features, lib._isa_index(isa))
-        return self.data.numel()
+        return self.library.streamed_bytes(self, rows, isa)
 
 
 def _empty(nbytes: int, arena: HugePageArena | None) -> torch.Tensor:
