@@ -22,14 +22,17 @@ def take_rows(t: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None =
 
 
 class DecoderModel:
-    """A decoder-only LM: `forward` maps a step's tokens to final hidden states,
-    `logits` applies the LM head to the rows that sample."""
+    """A decoder-only LM: `forward` maps a step's tokens to the last layer's hidden states,
+    `logits` applies the final norm and the LM head to the rows that sample: only those, for the
+    norm is row by row and a prefill's other rows need neither."""
 
     # each with .attn (qkv_proj, o_proj), .mlp (gate_up, down) and .norms: (input, post-attention,
     # pre-MLP, post-MLP) weights, None where the block has no such norm
     layers: list
     embed: torch.Tensor
     lm_head: Linear
+    final_norm: torch.Tensor
+    eps: float
     ops: TorchRowOps  # norms, attention and the rest between the matmuls
     final_logit_softcapping: float | None = None
 
@@ -47,7 +50,7 @@ class DecoderModel:
         return x
 
     def logits(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
-        out = self.lm_head(hidden, kernel)
+        out = self.lm_head(self.ops.rms_norm(hidden, self.final_norm, self.eps), kernel)
         if self.final_logit_softcapping:
             out = torch.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping
         return out
@@ -60,4 +63,4 @@ class DecoderModel:
         head, native = self.lm_head, self.lm_head.packed(kernel)
         if native is None or head.bias is not None or self.final_logit_softcapping:
             return None
-        return native.argmax(hidden).tolist()
+        return native.argmax(self.ops.rms_norm(hidden, self.final_norm, self.eps)).tolist()

@@ -51,5 +51,4 @@ class Gemma3Model(DecoderModel):
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = take_rows(self.embed, input_ids, self.embed_scale)
-        x = self.run_layers(x, positions, caches, meta, kernel)
-        return self.ops.rms_norm(x, self.final_norm, self.eps)
+        return self.run_layers(x, positions, caches, meta, kernel)

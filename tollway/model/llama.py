@@ -42,5 +42,4 @@ class LlamaModel(DecoderModel):
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = take_rows(self.embed, input_ids)
-        x = self.run_layers(x, positions, caches, meta, kernel)
-        return self.ops.rms_norm(x, self.final_norm, self.eps)
+        return self.run_layers(x, positions, caches, meta, kernel)
