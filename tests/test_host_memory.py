@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from tollway.model.host_memory import HUGE_PAGE, HugePageArena, huge_page_empty
+from tollway.model.host_memory import HUGE_PAGE, HugePageArena, huge_page_empty, populate_in_background
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
+def _smaps(address: int, field: str) -> list[str]:
+    """The values of `field` (VmFlags, Rss...) for the mapping holding `address`, from /proc/self/smaps."""
     inside = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -18,9 +18,18 @@ def _vm_flags(address: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 start, end = (int(x, 16) for x in head.split("-"))
                 inside = start <= address < end
-            elif inside and line.startswith("VmFlags:"):
+            elif inside and head == f"{field}:":
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> list[str]:
+    return _smaps(address, "VmFlags")
+
+
+def _rss_of(address: int) -> int:
+    """Resident bytes of the mapping holding `address`."""
+    return int(_smaps(address, "Rss")[0]) * 1024
 
 
 def test_a_huge_page_tensor_is_aligned_writable_and_advised():
@@ -33,6 +42,20 @@ def test_a_huge_page_tensor_is_aligned_writable_and_advised():
         flags = _vm_flags(t.data_ptr())
         assert "hg" in flags  # MADV_HUGEPAGE
         assert "sh" not in flags  # private: THP leaves shared anonymous memory (shmem) alone
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps and madvise are Linux's")
+def test_a_server_faults_its_kv_memory_in_on_a_thread_of_its_own():
+    k, v = huge_page_empty(6 * HUGE_PAGE), huge_page_empty(4 * HUGE_PAGE + 4096)
+    assert _rss_of(k.data_ptr()) + _rss_of(v.data_ptr()) < HUGE_PAGE  # nothing written yet
+    thread = populate_in_background([k, v[4096:]])
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    if _rss_of(k.data_ptr()) == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert _rss_of(k.data_ptr()) >= 6 * HUGE_PAGE
+    assert _rss_of(v.data_ptr()) >= 4 * HUGE_PAGE  # from the page holding the view's start
+    assert int(k.max()) == 0 and int(v.max()) == 0  # a fresh page reads as zeros: nothing written
 
 
 def test_the_arena_packs_small_tensors_together_and_big_ones_alone():

@@ -286,6 +286,7 @@ def _serve(args) -> int:
     gatekeeper, meter, batch_dir = server_parts(server, config)
     metrics = Metrics(name)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
+    engine.engine.runner.fault_in_kv()
     try:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
             print(f"tollway: warning: serving {server.host} with no API keys: anyone who can reach it can use it",

@@ -135,6 +135,7 @@ class Replica:
         metrics = Metrics(spec.model_name)
         gatekeeper, meter, batch_store = spec.build(spec.server, spec.config)
         self.engine = ReplicaEngine(Engine(spec.config, progress=False), on_step=metrics.on_step)
+        self.engine.engine.runner.fault_in_kv()
         # Every replica runs Batch API jobs; the shared store gives each job to one at a time.
         app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store, meter, spec.secret,
                          spec.server.sse_keep_alive, spec.server.canary)

@@ -14,7 +14,7 @@ from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
 from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.grammar import Grammars
-from tollway.model.host_memory import keep_freed_memory
+from tollway.model.host_memory import keep_freed_memory, populate_in_background
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
@@ -52,6 +52,12 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.draw = native_draw(cache_dir) if device.type == "cpu" else None
         self.grammars: Grammars | None = None  # the engine's, where its model has a tokenizer
+
+    def fault_in_kv(self) -> None:
+        """The CPU KV pool's pages faulted in on a thread of its own, for a server: its first steps
+        would otherwise each wait for the pages they first write (host_memory.py)."""
+        if self.device.type == "cpu":
+            populate_in_background([t for cache in self.caches for t in (cache.k, cache.v)])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
