@@ -230,6 +230,34 @@ static inline __attribute__((always_inline)) void value_pass(
         for (int u = 0; u < width / 8; u++) store8(sums[i] + c + 8 * u, acc[i][u]);
 }
 
+/* The next sequence's keys and values, fetched into L2 while this one's last tile runs, a few
+   lines at a time: the prefetches above work within a sequence, so each sequence started on a
+   miss, and its value pass, reading L2, left memory idle. At most LOOKAHEAD_BYTES, so that a long
+   sequence's fetches do not evict the current one's. 64 decodes at context 128: 11.5 -> 9.5 ms
+   over 18 layers; a whole b64 decode step 3-6% faster (7 of 8 paired steps). */
+enum { LOOKAHEAD_BYTES = 128 * 1024 };
+
+typedef struct {
+    const char *k, *v;
+    const int64_t *table;         /* the next sequence's blocks */
+    int64_t pos, end;             /* its positions not yet fetched */
+    int64_t offset;               /* bytes fetched of the run of positions from pos in its block */
+    int64_t block_size, row_bytes; /* row_bytes: a position's keys, every KV head */
+} lookahead;
+
+static inline void fetch_ahead(lookahead *a, int64_t lines) {
+    while (lines > 0 && a->pos < a->end) {
+        int64_t in = a->pos % a->block_size;
+        int64_t n = a->block_size - in < a->end - a->pos ? a->block_size - in : a->end - a->pos;
+        int64_t base = (a->table[a->pos / a->block_size] * a->block_size + in) * a->row_bytes, bytes = n * a->row_bytes;
+        for (; a->offset < bytes && lines > 0; a->offset += 64, lines--) {
+            __builtin_prefetch(a->k + base + a->offset, 0, 1);
+            __builtin_prefetch(a->v + base + a->offset, 0, 1);
+        }
+        if (a->offset >= bytes) a->pos += n, a->offset = 0;
+    }
+}
+
 /* Causal attention of each token's query heads over its sequence's cached keys, read through
    its block table: positions [max(0, p - window + 1), p] (window 0: [0, p]). Token t uses
    table row table_rows[t]; q rows are q_stride floats apart, head h at h * d; out is
@@ -285,6 +313,20 @@ static inline __attribute__((always_inline)) void attend(
                     for (int64_t k = 0; k < n; k++) rows[j + k] = (base + k) * kv_heads + g;
                     j += n, pos += n;
                 }
+                /* The last tile of a sequence (one part running them all) fetches the next one's. */
+                lookahead next = {0};
+                int64_t per_step = 0;
+                if (parts == 1 && end < tokens && g == kv_heads - 1 && v0 + tile >= vectors) {
+                    int64_t row_bytes = kv_heads * d * (half ? 2 : 4), last = end;
+                    while (last + 1 < tokens && table_rows[last + 1] == table_rows[end]) last++;
+                    int64_t start = window && positions[end] - window + 1 > 0 ? positions[end] - window + 1 : 0;
+                    int64_t stop = positions[last] + 1;
+                    stop = (stop - start) * row_bytes > LOOKAHEAD_BYTES ? start + LOOKAHEAD_BYTES / row_bytes : stop;
+                    next = (lookahead){(const char *)k_cache, (const char *)v_cache, tables + table_rows[end] * table_width,
+                                       start, stop, 0, block_size, row_bytes};
+                    int64_t lines = ((stop - start) * row_bytes + 63) / 64, steps = span / QK_KEYS + span / VALUE_KEYS + 2;
+                    per_step = (lines + steps - 1) / steps;
+                }
                 /* QK_KEYS keys at a time: each query load serves them all, and the sums in flight
                    keep the FMA units busy where four waited on one another (two keys: 1.2x on 64
                    decodes at context 336). Each key's sum runs in the same order as alone. */
@@ -318,6 +360,7 @@ static inline __attribute__((always_inline)) void attend(
                             for (int u = 0; u < QK_KEYS; u++) acc[u][i] += qc * k[u];
                         }
                     }
+                    fetch_ahead(&next, per_step);
                     float score[TILE][QK_KEYS];
                     key_sums(acc, tile, scale, score);
                     for (int u = 0; u < QK_KEYS && j + u < span; u++) {
@@ -351,6 +394,7 @@ static inline __attribute__((always_inline)) void attend(
                 for (int i = 0; i < tile; i++) memset(sums[i], 0, sizeof(float) * d);
                 for (int64_t j0 = 0; j0 < span; j0 += VALUE_KEYS) {
                     int64_t j1 = j0 + VALUE_KEYS < span ? j0 + VALUE_KEYS : span;
+                    fetch_ahead(&next, per_step);
                     int64_t c = 0;
                     for (; c + VALUE_COLS <= d; c += VALUE_COLS)
                         value_pass(v_cache, rows, weights, span, j0, j1, d, c, sums, half, tile, VALUE_COLS);
