@@ -1,4 +1,6 @@
-"""Activations as qmatmul.c quantizes them, for the tests of its weight formats."""
+"""For the tests of qmatmul.c's weight formats: activations as it quantizes them, and the checks
+every format passes on every path."""
+import pytest
 import torch
 
 
@@ -8,3 +10,32 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(-1)
     qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
     return qx, (amax / 127).double()
+
+
+def check_path_against_model(native_library, isa: str, kind: str, x: torch.Tensor, w: torch.Tensor,
+                             model: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """w packed as `kind` and run on `isa` gives the model's (product, size of its terms) within
+    float32's rounding of each term."""
+    if isa not in native_library.supported:
+        pytest.skip(f"this CPU does not run {isa}")
+    packed = getattr(native_library, f"pack_{kind}")(w)
+    assert packed is not None and packed.kind == kind
+    y = packed(x, isa)
+    ref, size = model
+    assert y.shape == ref.shape
+    assert ((y.double() - ref).abs() <= 1e-6 * size + 1e-30).all()
+
+
+def check_fused_argmax(native_library, packed, x: torch.Tensor) -> None:
+    """packed's fused argmax of x on every path, at 1 to 3 threads, is the argmax of its outputs, a
+    tie going to the first column. Row 0 of x is set up to tie at columns 17, 3000, 4000, 4999."""
+    expected = packed(x).argmax(dim=1)
+    assert int(expected[0]) == 17
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)  # ties across the threads' column ranges too
+            for isa in native_library.supported:
+                assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
+    finally:
+        torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from tollway.model.layers import Linear
 from tollway.model.native.qmatmul import ISAS
 
-from quantized_rows import quantized_rows
+from quantized_rows import check_fused_argmax, check_path_against_model, quantized_rows
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
@@ -62,15 +62,8 @@ def _model(x: torch.Tensor, q, scale, min) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_every_path_matches_the_float64_model(native_library, isa, m, k, n):
-    if isa not in native_library.supported:
-        pytest.skip(f"this CPU does not run {isa}")
     x, w, parts = _inputs(m, k, n)
-    packed = native_library.pack_q4(w)
-    assert packed is not None and packed.kind == "q4"
-    y = packed(x, isa)
-    ref, size = _model(x, *parts)
-    assert y.shape == (m, n)
-    assert ((y.double() - ref).abs() <= 1e-6 * size + 1e-30).all()
+    check_path_against_model(native_library, isa, "q4", x, w, _model(x, *parts))
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -168,14 +161,4 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(n
     x, w, _ = _inputs(m, 640, 5000, seed=5)
     w[4000] = w[17] = w[4999] = w[3000]  # identical rows give tied outputs
     x[0] = w[3000] * 10
-    packed = native_library.pack_q4(w)
-    expected = packed(x).argmax(dim=1)
-    assert int(expected[0]) == 17
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 3):
-            torch.set_num_threads(count)
-            for isa in native_library.supported:
-                assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
-    finally:
-        torch.set_num_threads(threads)
+    check_fused_argmax(native_library, native_library.pack_q4(w), x)

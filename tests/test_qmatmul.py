@@ -13,6 +13,8 @@ from tollway.model.layers import Linear
 from tollway.model.native import qmatmul
 from tollway.model.native.qmatmul import ISAS, Q8Library, q8_library
 
+from quantized_rows import check_fused_argmax
+
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 # (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial tile.
@@ -181,17 +183,7 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(n
     x, w = _inputs(m, 640, 5000, seed=5)
     w[4000] = w[17] = w[4999] = w[3000] * 1.0  # identical rows give tied outputs
     x[0] = w[3000] * 10  # row 0's largest output is then that four-way tie
-    packed = native_library.pack(w)
-    expected = packed(x).argmax(dim=1)
-    assert int(expected[0]) == 17
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)  # ties across the threads' column ranges too
-            for isa in native_library.supported:
-                assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
-    finally:
-        torch.set_num_threads(threads)
+    check_fused_argmax(native_library, native_library.pack(w), x)
 
 
 def test_without_any_compiler_the_native_kernels_say_so_once(tmp_path, monkeypatch, caplog):
