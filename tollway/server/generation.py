@@ -90,6 +90,9 @@ class Generation:
         except InvalidRequest as e:  # what only the engine knows: the vocabulary, a lane's KV share
             self.abort()
             raise invalid(e, self.kind == "chat") from None
+        except EngineDeadError:  # as /health says: nothing more can run here
+            self.abort()
+            raise APIError(503, "the engine has stopped", code="engine_stopped") from None
 
     def request_id(self, index: int) -> str:
         """The engine request id of choice `index`."""
