@@ -1,0 +1,54 @@
+"""tollway bench's HTTP client against a server that closes kept-alive connections."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tollway.bench.client import OpenAIClient, now_clock
+from tollway.bench.workload import RequestSpec
+
+
+async def _serve_one_request_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                            served: list[int]) -> None:
+    """Answers a connection's first request with a one-token stream, saying the connection stays
+    open, and closes it without a word when a second request comes: what llama-server does to a
+    request that arrives as its 5 s keep-alive timeout runs out, here every time."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        served.append(1)
+        chunks = [{"choices": [{"index": 0, "text": "hi"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=1\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body.encode())
+        await writer.drain()
+        await reader.read(1)  # the next request, if any: closed unanswered
+    except asyncio.IncompleteReadError:
+        pass
+    finally:
+        writer.close()
+
+
+def test_a_server_that_closes_a_kept_alive_connection_loses_no_request():
+    async def run() -> tuple[list, list[int]]:
+        served: list[int] = []
+        server = await asyncio.start_server(lambda r, w: _serve_one_request_per_connection(r, w, served), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = OpenAIClient(f"http://127.0.0.1:{port}", "m")
+        clock = now_clock()
+        try:
+            records = []
+            for index in range(3):
+                records.append(await client.send(RequestSpec(index, "standard", "hello", 3, 1), "s", False, clock))
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+        return records, served
+
+    records, served = asyncio.run(run())
+    assert [(r.error, r.error_message) for r in records] == [(None, None)] * 3
+    assert [r.output_tokens for r in records] == [1, 1, 1] and len(served) == 3
