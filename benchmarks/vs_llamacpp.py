@@ -441,7 +441,7 @@ def markdown(r: dict, raw: str) -> str:
             f"`ignore_eos`; the first wave of each load is warm-up): {loads}. `tollway serve --threads "
             f"{r['threads']}` with its defaults; `{peer['llama_server_command']}`.{busy_note(r)}\n\n"
             "| figure | tollway | llama-server | tollway / llama-server |\n|---|---|---|---|\n"
-            + "\n".join(rows) + f"\n\n{token_counts_line(r)}{batch_economics_line(r)}\n\n"
+            + "\n".join(rows) + f"\n\n{token_counts_line(r)} {failures_line(r)}{batch_economics_line(r)}\n\n"
             f"The peer's engine alone (`llama-batched-bench`, no HTTP, {r['llama_batched_bench'][0]['pp']}-token "
             f"prompts, {r['llama_batched_bench'][0]['tg']} new): decode {alone} tok/s; prefill up to {prefill:.0f} "
             f"tok/s.\n\n{targets_line(targets(r))}")
@@ -471,6 +471,22 @@ def token_counts_line(r: dict) -> str:
                            f"{got['output_tokens']} tokens")
     return ("Token counts (the servers' usage): " + ("; ".join(odd) if odd else "every measured request had "
             "exactly the prompt and output tokens asked for, on both servers") + ".")
+
+
+def failures_line(r: dict) -> str:
+    """Requests that failed in any round, by server and load: the figures count only the others."""
+    failed = []
+    for load in r["loads"]:
+        for server, figures in r["servers"].items():
+            got = figures["loads"][load["name"]]
+            kinds: dict[str, int] = {}
+            for one in got.get("rounds", [got]):
+                for kind, count in one["errors"].items():
+                    kinds[kind] = kinds.get(kind, 0) + count
+            if kinds:
+                failed.append(f"{server} at {load['name']}: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    return ("Failed requests, counted in no figure: " + "; ".join(failed) + "." if failed
+            else "No request failed on either server.")
 
 
 def batch_economics_line(r: dict) -> str:
