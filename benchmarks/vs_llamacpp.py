@@ -39,6 +39,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -478,11 +479,9 @@ def failures_line(r: dict) -> str:
     failed = []
     for load in r["loads"]:
         for server, figures in r["servers"].items():
-            got = figures["loads"][load["name"]]
-            kinds: dict[str, int] = {}
-            for one in got.get("rounds", [got]):
-                for kind, count in one["errors"].items():
-                    kinds[kind] = kinds.get(kind, 0) + count
+            kinds = Counter()
+            for one in figures["loads"][load["name"]]["rounds"]:
+                kinds.update(one["errors"])
             if kinds:
                 failed.append(f"{server} at {load['name']}: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     return ("Failed requests, counted in no figure: " + "; ".join(failed) + "." if failed
