@@ -253,6 +253,10 @@ def run(settings: dict, quick: bool) -> dict:
     started = time.perf_counter()
     loaded = load_weights(None, progress=True)
     engine = Engine(EngineConfig(), progress=False, loaded=loaded)  # kernel "auto": q8 where it compiles
+    # As `tollway serve` does at start: else the b64 steps, the first to reach most of the pool,
+    # each wait for the kernel to clear the pages they first write (4% of such a step in a profile).
+    if (populating := engine.runner.fault_in_kv()) is not None:
+        populating.join()
     torch_kernels = Engine(EngineConfig(scheduler=SchedulerConfig(dense_kernel="fp32", num_blocks=16)), progress=False,
                            loaded=loaded)  # int8 up to the measured crossover, fp32 above
     bf16 = Engine(EngineConfig(scheduler=SchedulerConfig(kernel="bf16", num_blocks=16)), progress=False,

@@ -93,3 +93,16 @@ def test_packed_weights_and_the_kv_cache_live_in_huge_page_memory(native_library
     cache = KVCache(1024, 1, 256, torch.float32, torch.device("cpu"))
     assert cache.k.shape == (1024, 1, 256) and "hg" in _vm_flags(cache.k.data_ptr())
     assert cache.v.data_ptr() != cache.k.data_ptr()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps and madvise are Linux's")
+def test_an_engine_hands_back_the_thread_faulting_its_kv_pool_in(make_engine):
+    """A benchmark waits on it, so that no measured step pays for the pages it first writes."""
+    engine = make_engine(num_blocks=64)
+    caches = [t for cache in engine.runner.caches for t in (cache.k, cache.v)]
+    thread = engine.runner.fault_in_kv()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    if _resident_bytes(caches[0]) == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert all(_resident_bytes(t) >= t.numel() * t.element_size() for t in caches)

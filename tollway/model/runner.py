@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,11 +54,13 @@ class ModelRunner:
         self.draw = native_draw(cache_dir) if device.type == "cpu" else None
         self.grammars: Grammars | None = None  # the engine's, where its model has a tokenizer
 
-    def fault_in_kv(self) -> None:
+    def fault_in_kv(self) -> threading.Thread | None:
         """The CPU KV pool's pages faulted in on a thread of its own, for a server: its first steps
-        would otherwise each wait for the pages they first write (host_memory.py)."""
-        if self.device.type == "cpu":
-            populate_in_background([t for cache in self.caches for t in (cache.k, cache.v)])
+        would otherwise each wait for the pages they first write (host_memory.py). The thread, for
+        a benchmark to wait on; None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        return populate_in_background([t for cache in self.caches for t in (cache.k, cache.v)])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
