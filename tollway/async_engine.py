@@ -10,10 +10,6 @@ preempted, or while a step that holds it runs: the abort is applied after that s
 scheduler frees its blocks and slot, and a final RequestOutput goes to the observers and then
 to its stream, which always ends with exactly one. After every change the thread publishes the
 scheduler's Occupancy, and when each running request last made progress (for the watchdog).
-
-Where a step's native threads take every core, the thread waits after handing out a step's
-outputs until the event loops have written them (a quarter of a step at most; see
-_let_loops_catch_up), so that their writing does not preempt the next step.
 """
 from __future__ import annotations
 
@@ -101,7 +97,6 @@ class AsyncEngine:
         self.occupancy = engine.occupancy()
         self.progress: dict[str, float] = {}  # running request id -> when it last ran (monotonic)
         self.longest_step = 0.0  # seconds: the longest step measured so far
-        self._catch_up = engine.steps_take_every_core()
         self._thread = threading.Thread(target=self._loop, name="tollway-engine", daemon=True)
         self._thread.start()
 
@@ -188,9 +183,7 @@ class AsyncEngine:
                         for observe in self._observers:
                             observe(self.engine, plan, result, outputs)
                     self._publish(plan)
-                    loops = self._deliver([(out.request_id, out, out.finished) for out in outputs])
-                    if self._catch_up and loops:
-                        self._let_loops_catch_up(loops, result.seconds)
+                    self._deliver([(out.request_id, out, out.finished) for out in outputs])
                     if self._aborted:  # a caller whose event loop closed meanwhile
                         self._publish(None)
                         self._end_aborted()
@@ -256,62 +249,25 @@ class AsyncEngine:
                 observe(self.engine, None, None, outputs)
             self._deliver([(out.request_id, out, True) for out in outputs])
 
-    def _deliver(self, items: list[tuple[str, object, bool]]) -> list[asyncio.AbstractEventLoop]:
+    def _deliver(self, items: list[tuple[str, object, bool]]) -> None:
         """Hand each (request id, output or error, whether it is the last) to its stream: one
         wake-up per event loop for them all, since each wake-up is a system call and a turn of
-        that loop. Returns the loops that took some."""
+        that loop."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object, str, bool]]] = {}
         for request_id, item, last in items:
             target = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
             if target is not None:
                 loop, outputs = target
                 batches.setdefault(loop, []).append((outputs, item, request_id, last))
-        posted = []
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
-                posted.append(loop)
             except RuntimeError:  # that caller's event loop is closed: nobody is listening
                 for _, _, request_id, last in batch:
                     if not last:
                         self._abort(request_id)
-        return posted
-
-    def _let_loops_catch_up(self, loops: list[asyncio.AbstractEventLoop], step_seconds: float) -> None:
-        """Wait until each loop has run what a step's outputs woke there, or a quarter of that
-        step at most. The next step's threads take every core; a loop writing the tokens
-        meanwhile preempts one of them, and the others wait for it at the step's next barrier.
-        Writing them now, while the cores are free, costs that writing alone: 64 streamed
-        requests of 128 tokens on 2 cores went 533 -> 701 and 588 -> 750 tok/s (medians of two
-        runs of 6 paired rounds, every round faster); one stream the same within noise."""
-        done = []
-        for loop in loops:
-            event = threading.Event()
-            try:
-                loop.call_soon_threadsafe(_after_ready, loop, CATCH_UP_PASSES, event.set)
-            except RuntimeError:  # closed since
-                continue
-            done.append(event)
-        deadline = time.monotonic() + min(MAX_CATCH_UP_SECONDS, step_seconds * MAX_CATCH_UP_SHARE)
-        for event in done:
-            event.wait(max(0.0, deadline - time.monotonic()))
-
-
-# A stream's output reaches its socket in two turns of its loop (the stream's reader, then the
-# response through the keep-alive queue, server/keep_alive.py); one more for the last chunks.
-CATCH_UP_PASSES = 3
-MAX_CATCH_UP_SECONDS, MAX_CATCH_UP_SHARE = 0.02, 0.25  # of the step just run: a busy loop holds steps back little
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object, str, bool]]) -> None:
     for outputs, item, _, _ in batch:
         outputs.put_nowait(item)
-
-
-def _after_ready(loop: asyncio.AbstractEventLoop, passes: int, fn) -> None:
-    """fn() once the loop has run what is ready now, `passes` times over: each pass runs what
-    the one before woke."""
-    if passes:
-        loop.call_soon(_after_ready, loop, passes - 1, fn)
-    else:
-        fn()

@@ -155,14 +155,6 @@ class Engine:
         """The longest context a request may reach: prompt plus output tokens."""
         return self.config.scheduler.max_model_len
 
-    def steps_take_every_core(self) -> bool:
-        """Whether a step's threads leave no core to the process's other threads: a CPU engine
-        with a thread per core it may run on."""
-        if self.device.type != "cpu":
-            return False
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return torch.get_num_threads() >= cores
-
     def occupancy(self) -> Occupancy:
         return Occupancy.of(self.scheduler)
 
