@@ -27,10 +27,35 @@ def _cpu_model_and_flags() -> tuple[str, set[str]]:
     return cpu, flags
 
 
+def _best_isa(flags: set[str]) -> str:
+    """The highest of tollway's instruction-set paths (qmatmul.c's) this CPU runs."""
+    if not {"avx2", "fma"} <= flags:
+        return "portable"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512vnni"
+    return "avxvnni" if "avx_vnni" in flags else "avx2"
+
+
+def forced_isa() -> str | None:
+    """TOLLWAY_ISA where it forces tollway's kernels below this CPU's best (AVX2's on an AVX-512
+    CPU: the only way to measure them where no AVX2-only machine is at hand), else None."""
+    forced = os.environ.get("TOLLWAY_ISA") or None
+    return forced if forced and forced != _best_isa(_cpu_model_and_flags()[1]) else None
+
+
+def command_line(script: str, flags: str = "") -> str:
+    """How to run this benchmark again as it ran now: with TOLLWAY_ISA first where it was forced."""
+    forced = forced_isa()
+    return (f"TOLLWAY_ISA={forced} " if forced else "") + f"python benchmarks/{script}{flags}"
+
+
 def cpu_kind_suffix() -> str:
     """'-amx' on an AVX-512 CPU with AMX tiles, '' on one without, else '-avx2' or '-portable':
     the native kernels (tollway's and the peer's) differ by kind, so a kernel-bound benchmark
-    keeps one record per kind rather than overwriting the other's."""
+    keeps one record per kind rather than overwriting the other's. A run with tollway forced to
+    a lower path (forced_isa) keeps its own, '-forced-avx2' for AVX2's: it stands for no CPU kind."""
+    if forced := forced_isa():
+        return f"-forced-{forced}"
     flags = _cpu_model_and_flags()[1]
     if {"avx512f", "avx512bw"} <= flags:
         return "-amx" if "amx_int8" in flags else ""
@@ -47,7 +72,7 @@ def machine_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "avx512_bf16": "avx512_bf16" in flags, "isa_flags": [f for f in ISA_FLAGS if f in flags],
         "python": platform.python_version(),
-        "load_average_at_start": os.getloadavg()[0],
+        "load_average_at_start": os.getloadavg()[0], "forced_isa": forced_isa(),
     }
 
 

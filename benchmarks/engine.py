@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, random_prompts, run_benchmark, targets_line  # noqa: E402
+from common import command_line, machine_info, random_prompts, run_benchmark, targets_line  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -263,7 +263,7 @@ def run(settings: dict, quick: bool) -> dict:
                   loaded=loaded)
     sched = engine.config.scheduler
     result = {
-        "command": "python benchmarks/engine.py" + (" --quick" if quick else ""),
+        "command": command_line("engine.py", " --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "settings": {**settings, "kernel": sched.kernel, "int8_max_tokens": sched.int8_max_tokens,

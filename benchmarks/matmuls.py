@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 
 import torch  # noqa: E402
 
-from common import machine_info, run_benchmark  # noqa: E402
+from common import command_line, machine_info, run_benchmark  # noqa: E402
 from engine import best_seconds  # noqa: E402
 from tollway.config import SchedulerConfig  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -54,7 +54,7 @@ def run(settings: dict, quick: bool) -> dict:
     read_gb_s = src.numel() * 4 / best_seconds(src.sum, 5) / 1e9
     peak = max(library.dot_peak() for _ in range(3))
     result = {
-        "command": "python benchmarks/matmuls.py" + (" --quick" if quick else ""),
+        "command": command_line("matmuls.py", " --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "settings": settings, "threads": torch.get_num_threads(), "isa": library.isa,
         "read_gb_s": read_gb_s, "dot_peak_gmac_s": peak / 1e9,

@@ -11,6 +11,12 @@ The peer is built on the first run: `llama-server` and `llama-batched-bench` fro
 reuse it. A build that crashes on the default GGUF on a CPU with AMX is rebuilt without AMX (see
 peer_binaries). Needs cmake and a C++ compiler for that first build.
 
+    TOLLWAY_ISA=avx2 python benchmarks/vs_llamacpp.py  # AVX2 against AVX2 on a CPU with more
+
+With TOLLWAY_ISA naming a path below the CPU's best, tollway runs that path's kernels and the peer
+is built (into `<version>-<path>/`) with only the instruction sets that path has, so an AVX-512
+machine measures the AVX2-only kind; the record is vs_llamacpp-forced-avx2, not this CPU's.
+
 Loads, each with its own prompts (the same prompts for both servers; `ignore_eos`, so both
 generate exactly the requested tokens; greedy): 1 stream, 16 and 64 concurrent streams (128-token
 prompts, 128 new tokens), and the TTFT of a 2048-token prompt. The first wave of each load
@@ -51,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from bench_example import free_port  # noqa: E402
-from common import machine_info, run_benchmark, targets_line  # noqa: E402
+from common import command_line, forced_isa, machine_info, run_benchmark, targets_line  # noqa: E402
 from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
@@ -102,6 +108,10 @@ GGML_ISA_OPTIONS = (("sse4_2", "GGML_SSE42"), ("avx", "GGML_AVX"), ("avx2", "GGM
                     ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"), ("avx_vnni", "GGML_AVX_VNNI"),
                     ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
                     ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"))
+# Of those, the flags a peer may use beside tollway forced to a lower path (TOLLWAY_ISA): the same
+# instruction sets as that path's kernels.
+FORCED_PEER_FLAGS = {"portable": (), "avx2": ("sse4_2", "avx", "avx2", "bmi2", "fma", "f16c")}
+FORCED_PEER_FLAGS["avxvnni"] = FORCED_PEER_FLAGS["avx2"] + ("avx_vnni",)
 
 
 def peer_binaries() -> dict:
@@ -109,14 +119,20 @@ def peer_binaries() -> dict:
     now, and checked once on the default GGUF. Where the GGML_NATIVE build crashes there and the
     CPU has AMX (its AMX matmul died of SIGSEGV on Gemma 3 270M on a Xeon with AMX), the peer is
     rebuilt with every instruction set GGML_NATIVE would use but AMX: what a user does next."""
-    folder = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
+    forced = forced_isa()
+    folder = cache_root() / "llama.cpp" / (LLAMA_CPP_PYTHON + (f"-{forced}" if forced else ""))
     stamp = folder / "build.json"
     cpu = _cpu_flags()
     built, built_now = json.loads(stamp.read_text()) if stamp.is_file() else None, False
     if built and (built["cpu_flags"] != cpu or not all((folder / t).is_file() for t in PEER_TARGETS)):
         print("vs_llamacpp: the cached llama.cpp was built for another CPU; rebuilding", file=sys.stderr)
         built = None
-    if built is None:
+    if built is None and forced:
+        options = ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in cpu and flag in FORCED_PEER_FLAGS[forced] else 'OFF'}"
+                                           for flag, option in GGML_ISA_OPTIONS]
+        built, built_now = _build_peer(folder, options) | {
+            "build": f"the instruction sets of tollway's {forced} kernels", "build_options": options}, True
+    elif built is None:
         built, built_now = _build_peer(folder, ["-DGGML_NATIVE=ON"]) | {"build": NATIVE}, True
     built.setdefault("build", NATIVE)  # a stamp from before the check
     if "checked" not in built:
@@ -365,7 +381,7 @@ def run(settings: dict, quick: bool) -> dict:
     engine_alone = batched_bench(folder, gguf, settings["batched_bench"], threads)
     machine["load_average_at_end"] = os.getloadavg()[0]
     flags = (" --quick" if quick else "") + (f" --threads {threads}" if threads != os.cpu_count() else "")
-    return {"command": f"python benchmarks/vs_llamacpp.py{flags}", "threads": threads,
+    return {"command": command_line("vs_llamacpp.py", flags), "threads": threads,
             "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
             "peer": {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": peer["llama_cpp_commit"],
                      "build": peer["build"], "build_options": peer.get("build_options"), "why": peer.get("why"),
@@ -432,10 +448,12 @@ def markdown(r: dict, raw: str) -> str:
     source = r["tollway_source"]
     dirty = f" with uncommitted changes to {len(source['uncommitted'])} files" if source["uncommitted"] else ""
     return (f"Measured {r['date']} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
-            f"{', '.join(m['isa_flags'])}), torch {m['torch']}; tollway at {source['commit'][:10]}{dirty}; "
+            f"{', '.join(m['isa_flags'])}), torch {m['torch']}; tollway at {source['commit'][:10]}{dirty}"
+            + (f" on its {m['forced_isa']} kernels" if m.get("forced_isa") else "") + "; "
             f"llama.cpp {peer['llama_cpp_commit']} (from llama-cpp-python {peer['llama_cpp_python']}), built with "
             f"{peer.get('build', NATIVE)} in {peer['build_seconds'] / 60:.0f} min"
-            + (f" ({peer['why']}: its options `{' '.join(peer['build_options'])}`)" if peer.get("why") else "")
+            + (f" ({peer['why']}: its options `{' '.join(peer['build_options'])}`)" if peer.get("why")
+               else f" (`{' '.join(peer['build_options'])}`)" if peer.get("build_options") else "")
             + f". Load average {m['load_average_at_start']:.1f} at "
             f"start, {m['load_average_at_end']:.1f} at end. Raw: `{raw}`.\n\n"
             f"Both on `{r['gguf']}`, one after the other, each under the same `tollway bench` loads (greedy, "

@@ -141,11 +141,23 @@ def test_a_lower_path_is_forced_by_env_or_argument(native_library, monkeypatch):
     forced = Q8Library(native_library._lib)
     assert forced.isa == "portable" and native_library.isa == native_library.supported[-1]
     assert torch.equal(forced.pack(w)(x), native_library.pack(w)(x, "portable"))
+    # A step profile is remembered under `build`: one timed on the highest path models no other.
+    assert forced.build.endswith("-portable") and native_library.build != forced.build
     monkeypatch.setenv("TOLLWAY_ISA", "sse9")
     with pytest.raises(ValueError, match="sse9"):
         Q8Library(native_library._lib)
     with pytest.raises(ValueError, match="sse9"):
         native_library.pack(w)(x, "sse9")
+
+
+@pytest.mark.skipif(not {"avx2", "avx512vnni"} <= set(q8_library().supported if q8_library() else []),
+                    reason="needs a CPU with AVX512-VNNI")
+def test_the_dot_peak_is_that_of_the_path_the_kernels_run(native_library, monkeypatch):
+    # 64 multiply-adds an instruction against AVX2's 32 a pair of them: the AVX2 loop's peak is
+    # about a quarter of VNNI's; a forced AVX2 run measured against VNNI's looked half as fast.
+    monkeypatch.setenv("TOLLWAY_ISA", "avx2")
+    avx2 = Q8Library(native_library._lib).dot_peak(200_000)
+    assert avx2 < 0.7 * native_library.dot_peak(200_000)
 
 
 def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(native_library, caplog):

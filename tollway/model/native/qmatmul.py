@@ -41,7 +41,6 @@ class Q8Library:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        self.build = Path(lib._name).stem  # the cached build's name, which hashes its source and flags
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
@@ -58,6 +57,9 @@ class Q8Library:
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
+        # The cached build's name (it hashes the source and flags) and the instruction set that runs:
+        # a step profile timed on one is no model of another (TOLLWAY_ISA=avx2 on an AVX-512 CPU).
+        self.build = f"{Path(lib._name).stem}-{self.isa}"
 
     def resolve(self, isa: str | None) -> str:
         """`isa` when this CPU runs it, the best it runs when None."""
@@ -175,8 +177,9 @@ class Q8Library:
 
     def dot_peak(self, iters: int = 1_000_000) -> float:
         """u8 x s8 multiply-adds per second of a register-only loop on every thread: the integer
-        peak that benchmarks measure the kernels against."""
-        isa, threads = ("avx512vnni" if "avx512vnni" in self.supported else "avx2"), torch.get_num_threads()
+        peak that benchmarks measure the kernels against, on the instruction set the kernels run
+        (TOLLWAY_ISA=avx2 on an AVX-512 CPU is measured against AVX2's)."""
+        isa, threads = ("avx512vnni" if self.isa == "avx512vnni" else "avx2"), torch.get_num_threads()
         best = 0.0
         for _ in range(5):  # the first starts the pool's threads; the best of the rest is the peak
             start = time.perf_counter()
