@@ -63,6 +63,7 @@ apart at every pass cost more than the bytes saved.
 #define BLOCK_BYTES (TILE * QBLOCK)     /* weight bytes of one tile and block */
 #define MAX_ROWS 8                      /* activation rows per kernel pass */
 #define SMALL_VALUES 16                 /* a tile's largest |value| for AVX2's small-value kernel */
+#define SMALL_VALUES_LOG2 4
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
 #define QUANTIZE_PARALLEL (64 * 1024)  /* activation values from which the threads share quantizing them */
 #define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
@@ -710,6 +711,7 @@ static inline __m256i avx2_group_dot(__m256i isum, __m256i w, __m256i x) {
    The same body runs q5 (q5 = 1; also for AVX-VNNI), whose q is u: each group's low 4 bits from its
    nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4. */
 _Static_assert(SMALL_VALUES == Q5_OFFSET, "q8's small values and q5's take the same offset");
+_Static_assert(SMALL_VALUES == 1 << SMALL_VALUES_LOG2, "the offset's sum is xo shifted");
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                    const float *xs, const int32_t *xo, int half,
@@ -725,7 +727,10 @@ static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t 
         if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
         const __m256i high = q5 ? _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + half * 32)) : low;
         __m256i isum[4];
-        UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)] / 128 * SMALL_VALUES);
+        /* -16 sum(x) = xo / 8, exactly (xo is -128 sum(x)): broadcast from memory and shifted, where
+           `xo / 128 * 16` took a signed division's six scalar instructions a row and block */
+        UNROLLED for (int r = 0; r < n; r++)
+            isum[r] = _mm256_srai_epi32(_mm256_set1_epi32(xo[XS(b, r0 + r)]), 7 - SMALL_VALUES_LOG2);
         UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* (q5: the low nibbles' groups, then the high ones') */
             __m256i sum16[4];
             UNROLLED for (int r = 0; r < n; r++) sum16[r] = _mm256_setzero_si256();
