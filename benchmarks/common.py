@@ -27,6 +27,9 @@ def _cpu_model_and_flags() -> tuple[str, set[str]]:
     return cpu, flags
 
 
+ISA_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni")  # tollway's (qmatmul.c's), lowest first
+
+
 def _best_isa(flags: set[str]) -> str:
     """The highest of tollway's instruction-set paths (qmatmul.c's) this CPU runs."""
     if not {"avx2", "fma"} <= flags:
@@ -39,8 +42,12 @@ def _best_isa(flags: set[str]) -> str:
 def forced_isa() -> str | None:
     """TOLLWAY_ISA where it forces tollway's kernels below this CPU's best (AVX2's on an AVX-512
     CPU: the only way to measure them where no AVX2-only machine is at hand), else None."""
-    forced = os.environ.get("TOLLWAY_ISA") or None
-    return forced if forced and forced != _best_isa(_cpu_model_and_flags()[1]) else None
+    forced, best = os.environ.get("TOLLWAY_ISA") or None, _best_isa(_cpu_model_and_flags()[1])
+    if forced is None or forced == best:
+        return None
+    if forced not in ISA_PATHS[:ISA_PATHS.index(best)]:
+        raise SystemExit(f"TOLLWAY_ISA={forced}: this CPU runs {', '.join(ISA_PATHS[:ISA_PATHS.index(best) + 1])}")
+    return forced
 
 
 def command_line(script: str, flags: str = "") -> str:

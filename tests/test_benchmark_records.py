@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import common  # noqa: E402
@@ -22,3 +24,8 @@ def test_a_run_forced_to_a_lower_path_keeps_a_record_of_its_own(monkeypatch):
         assert common.forced_isa() == "portable" and common.cpu_kind_suffix() == "-forced-portable"
         assert common.command_line("engine.py", " --quick") == "TOLLWAY_ISA=portable python benchmarks/engine.py --quick"
         assert common.machine_info()["forced_isa"] == "portable"
+    for wrong in ("sse9", "avx512vnni" if best != "avx512vnni" else None):
+        if wrong:
+            monkeypatch.setenv("TOLLWAY_ISA", wrong)
+            with pytest.raises(SystemExit, match=f"TOLLWAY_ISA={wrong}: this CPU runs portable"):
+                common.forced_isa()
