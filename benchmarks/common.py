@@ -27,27 +27,23 @@ def _cpu_model_and_flags() -> tuple[str, set[str]]:
     return cpu, flags
 
 
-ISA_PATHS = ("portable", "avx2", "avxvnni", "avx512vnni")  # tollway's (qmatmul.c's), lowest first
-
-
-def _best_isa(flags: set[str]) -> str:
-    """The highest of tollway's instruction-set paths (qmatmul.c's) this CPU runs."""
-    if not {"avx2", "fma"} <= flags:
-        return "portable"
-    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-        return "avx512vnni"
-    return "avxvnni" if "avx_vnni" in flags else "avx2"
-
-
 def forced_isa() -> str | None:
     """TOLLWAY_ISA where it forces tollway's kernels below this CPU's best (AVX2's on an AVX-512
-    CPU: the only way to measure them where no AVX2-only machine is at hand), else None."""
-    forced, best = os.environ.get("TOLLWAY_ISA") or None, _best_isa(_cpu_model_and_flags()[1])
-    if forced is None or forced == best:
+    CPU: the only way to measure them where no AVX2-only machine is at hand), else None. The
+    library that runs the kernels says what this CPU runs; a path it does not stops the run."""
+    forced = os.environ.get("TOLLWAY_ISA") or None
+    if forced is None:
         return None
-    if forced not in ISA_PATHS[:ISA_PATHS.index(best)]:
-        raise SystemExit(f"TOLLWAY_ISA={forced}: this CPU runs {', '.join(ISA_PATHS[:ISA_PATHS.index(best) + 1])}")
-    return forced
+    from tollway.model.native.qmatmul import q8_library
+
+    try:  # a TOLLWAY_ISA this CPU does not run fails the library's constructor, or resolve
+        library = q8_library()
+        if library is None:  # no compiler: torch runs, nothing is forced
+            return None
+        library.resolve(forced)
+    except ValueError as error:
+        raise SystemExit(f"TOLLWAY_ISA={forced}: {error}") from None
+    return forced if forced != library.supported[-1] else None
 
 
 def command_line(script: str, flags: str = "") -> str:
