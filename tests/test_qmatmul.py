@@ -77,6 +77,30 @@ def test_all_paths_give_the_same_bits(native_library, m, k, n):
         assert torch.equal(y, results["portable"]), isa
 
 
+def test_activations_at_the_edges_quantize_alike_on_every_path(native_library):
+    """Each path quantizes activations its own way (a C body, AVX2 and AVX-512 by hand): through an
+    identity weight every output shows one quantized value, so ties at one half (to even), zero
+    blocks, subnormals, huge values, infinities and NaN must come out the same from every path."""
+    k = 128
+    x = torch.zeros(6, k)
+    x[0, :32] = torch.arange(32) - 15.5
+    x[0, 0] = 127.0  # the block's scale is then 1, and every other value lies on a half
+    x[1, :32] = torch.linspace(-3, 3, 32) * 1e-40  # subnormal
+    x[1, 32:64] = torch.linspace(-1, 1, 32) * 3e38  # near float's largest
+    x[2] = torch.randn(k)  # block 2 of row 2 stays random; its other blocks below
+    x[2, 64:96] = 0.0
+    x[3, 5], x[3, 40] = float("inf"), 1.0
+    x[4, 7], x[4, 70] = float("nan"), 1.0
+    x[5] = torch.randn(k) * 1e-3
+    packed = native_library.pack(torch.eye(k))
+    results = {isa: packed(x, isa) for isa in native_library.supported}
+    for isa, y in results.items():
+        torch.testing.assert_close(y, results["portable"], rtol=0, atol=0, equal_nan=True, msg=isa)
+    y = results["portable"]
+    assert torch.equal(y[0, 1:32], torch.round(x[0, 1:32]))  # halves to even: -15.5 -> -16, -14.5 -> -14
+    assert torch.isfinite(y[[0, 1, 2, 5]]).all() and torch.equal(y[2, 64:96], torch.zeros(32))
+
+
 def _small_value_weights(n: int, k: int, full_range_rows: slice, seed: int) -> torch.Tensor:
     """A GGUF Q5_0 weight as it dequantizes, d * (q - 16) with q in 0..31 and an fp16 d per block of
     32 (each block holding a q of 0, so q8 packs it exactly with |values| <= 16), except the rows in

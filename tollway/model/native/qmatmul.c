@@ -472,7 +472,7 @@ void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t 
 #define XS(b, r) ((b) * MAX_ROWS + (r))
 
 /* One C body, compiled for each instruction set and picked at load: the same IEEE operations,
-   so the same bits, from every clone (and from quantize_row_avx512 below). */
+   so the same bits, from every clone (and from quantize_row_avx512 and quantize_row_avx2 below). */
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
 #endif
@@ -534,6 +534,48 @@ static void quantize_row_avx512(const float *restrict x, int64_t nb, int8_t *res
         offset[XS(b, 0)] = -128 * _mm512_reduce_add_epi32(sum);  /* undoes the +128 of the u8 weights in the VNNI paths */
     }
 }
+/* quantize_row for AVX2, written out for the same reason (gcc's vectorization of the C body took
+   5 cycles a value, this 1): the same operations in the same order again. Its packing of int32 to
+   bytes saturates where the C body's conversion truncates, so a NaN product (an infinite activation
+   times its block's inverse scale, 0), converted to INT_MIN, is set to 0 first as the C body leaves
+   it: at -128 it turned that row's NaN outputs into infinities. */
+__attribute__((target("avx2")))
+static void quantize_row_avx2(const float *restrict x, int64_t nb, int8_t *restrict q, float *restrict scale,
+                              int32_t *restrict offset) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 shift = _mm256_set1_ps(12582912.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4];
+        __m256i top = _mm256_setzero_si256();
+        for (int h = 0; h < 4; h++) {
+            v[h] = _mm256_loadu_ps(x + b * QBLOCK + h * 8);
+            top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[h]), magnitude));
+        }
+        __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+        t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0xb1));
+        uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
+        float amax;
+        memcpy(&amax, &bits, 4);
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i ints[4], sum = _mm256_setzero_si256();
+        for (int h = 0; h < 4; h++) {
+            __m256 p = _mm256_mul_ps(v[h], inv);
+            p = _mm256_sub_ps(_mm256_add_ps(p, shift), shift);
+            p = _mm256_min_ps(hi, _mm256_max_ps(lo, p));  /* the second operand on NaN: it stays NaN */
+            ints[h] = _mm256_and_si256(_mm256_cvttps_epi32(p), _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_ORD_Q)));
+            sum = _mm256_add_epi32(sum, ints[h]);
+        }
+        /* per 128-bit lane the packs interleave the four vectors' halves: put each back in order */
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+        _mm256_storeu_si256((__m256i *)(q + XQ(b, 0)), _mm256_permutevar8x32_epi32(bytes, order));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        scale[XS(b, 0)] = amax / 127.0f;
+        offset[XS(b, 0)] = -128 * _mm_cvtsi128_si32(s);  /* undoes the +128 of the u8 weights in the VNNI paths */
+    }
+}
 #endif
 
 typedef struct {
@@ -542,7 +584,7 @@ typedef struct {
     int8_t *xq;
     float *xs;
     int32_t *xo;
-    int isa;  /* the AVX-512 paths quantize with quantize_row_avx512: the bits tests then compare both */
+    int isa;  /* the SIMD paths quantize with their own quantize_row: the bits tests then compare them all */
 } quantize_job;
 
 static void quantize_part(void *ctx, int part, int parts) {
@@ -553,6 +595,7 @@ static void quantize_part(void *ctx, int part, int parts) {
         void (*quantize)(const float *, int64_t, int8_t *, float *, int32_t *) = quantize_row;
 #if defined(__x86_64__)
         if (j->isa == ISA_AVX512VNNI) quantize = quantize_row_avx512;
+        if (j->isa == ISA_AVX2 || j->isa == ISA_AVXVNNI) quantize = quantize_row_avx2;
 #endif
         quantize(j->x + r * j->ldx, nb, j->xq + group * j->k + i * QBLOCK, j->xs + group * nb + i, j->xo + group * nb + i);
     }
