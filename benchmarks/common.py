@@ -36,14 +36,11 @@ def forced_isa() -> str | None:
         return None
     from tollway.model.native.qmatmul import q8_library
 
-    try:  # a TOLLWAY_ISA this CPU does not run fails the library's constructor, or resolve
+    try:  # a TOLLWAY_ISA this CPU does not run fails the library's constructor, or below_best
         library = q8_library()
-        if library is None:  # no compiler: torch runs, nothing is forced
-            return None
-        library.resolve(forced)
+        return library.below_best(forced) if library is not None else None  # None: no compiler, torch runs
     except ValueError as error:
         raise SystemExit(f"TOLLWAY_ISA={forced}: {error}") from None
-    return forced if forced != library.supported[-1] else None
 
 
 def command_line(script: str, flags: str = "") -> str:

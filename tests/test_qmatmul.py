@@ -164,6 +164,7 @@ def test_a_lower_path_is_forced_by_env_or_argument(native_library, monkeypatch):
     monkeypatch.setenv("TOLLWAY_ISA", "portable")
     forced = Q8Library(native_library._lib)
     assert forced.isa == "portable" and native_library.isa == native_library.supported[-1]
+    assert forced.forced == ("portable" if len(native_library.supported) > 1 else None) and native_library.forced is None
     assert torch.equal(forced.pack(w)(x), native_library.pack(w)(x, "portable"))
     # A step profile is remembered under `build`: one timed on the highest path models no other.
     assert forced.build.endswith("-portable") and native_library.build != forced.build

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import subprocess
 
 import pytest
 import torch
 
-from tollway.model import row_ops
 from tollway.model.attention_metadata import step_metadata
 from tollway.model.layers import KVCache, Rotary
-from tollway.model.native.build import NATIVE_FLAGS, compiled_library
 from tollway.model.native.qmatmul import q8_library
 from tollway.model.row_ops import NativeRowOps, TorchRowOps, row_ops_for, row_ops_library
 from tollway.request import SamplingParams
@@ -137,12 +136,11 @@ def test_attention_matches_torch(native, window, softcap, dtype):
 
 @pytest.fixture(scope="module")
 def avx2_build(tmp_path_factory):
-    """row_ops.c built for Haswell (AVX2, FMA, F16C; no AVX-512), whatever this machine has."""
+    """row_ops.c built as for a run forced to AVX2 (x86-64-v3: AVX2, FMA, F16C; no AVX-512), whatever this machine has."""
     q8 = q8_library(tmp_path_factory.mktemp("q8"))
     if "avx2" not in q8.supported:
         pytest.skip("needs a CPU that runs an AVX2 build")
-    flags = [f if f != "-march=native" else "-march=haswell" for f in NATIVE_FLAGS]
-    lib = compiled_library(row_ops._SOURCE, tmp_path_factory.mktemp("avx2"), flags, row_ops._HEADERS)
+    lib = row_ops_library(tmp_path_factory.mktemp("avx2"), "avx2")
     return NativeRowOps(ctypes.CDLL(str(lib)), q8)
 
 
@@ -236,3 +234,19 @@ def test_a_half_cache_rounds_as_torch_does_at_the_edges(native):
     native.attention(qk, v, 1, cache, meta, "full", 0, 0.25, None)
     for got, want in ((cache.k[slots], k.half()), (cache.v[slots], v.half())):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit, NaN included
+
+
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
+def test_a_run_forced_to_avx2_builds_the_row_ops_for_an_avx2_cpu(tmp_path, monkeypatch):
+    """On an AVX-512 CPU, TOLLWAY_ISA=avx2 measures the AVX2 kernels; the attention and norms
+    around them must then run as an AVX2-only CPU runs them too, not on AVX-512."""
+    if "avx512vnni" not in q8_library().supported:
+        pytest.skip("needs a CPU above AVX2")
+    monkeypatch.setenv("TOLLWAY_ISA", "avx2")
+    forced = row_ops_for(torch.device("cpu"), 256, tmp_path)  # its own libraries, built as a forced run does
+    assert forced.build.endswith("-avx2")
+    builds = {"own": row_ops_library(tmp_path / "own"), "forced": tmp_path / "native" / f"{forced.build.split('+')[0]}.so"}
+    code = {name: subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+            for name, lib in builds.items()}
+    assert "%zmm" in code["own"]  # this CPU's own build uses AVX-512 ...
+    assert "%ymm" in code["forced"] and "%zmm" not in code["forced"]  # ... the forced one never

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
-from tollway.model.native.build import NATIVE_FLAGS, compiled_library
+from tollway.model.native.build import compiled_library, native_flags
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
 from tollway.checkpoint import cache_root
@@ -145,10 +145,12 @@ def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLik
     # The attention kernel reads heads in 16-float pieces.
     if device.type != "cpu" or head_dim % 16 or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return TorchRowOps()
-    lib, q8 = row_ops_library(cache_root(cache_dir) / "native"), q8_library(cache_dir)
+    q8 = q8_library(cache_dir)
+    lib = row_ops_library(cache_root(cache_dir) / "native", q8.forced if q8 else None)
     return NativeRowOps(ctypes.CDLL(str(lib)), q8) if lib and q8 else TorchRowOps()
 
 
-def row_ops_library(folder: Path) -> Path | None:
-    """row_ops.c built for this machine (see native/build.py); None without a working compiler."""
-    return compiled_library(_SOURCE, folder, NATIVE_FLAGS, _HEADERS, fallback="torch for the row-wise ops")
+def row_ops_library(folder: Path, forced_isa: str | None = None) -> Path | None:
+    """row_ops.c built for this machine, or for the CPU kind a forced instruction set stands for
+    (see native/build.py); None without a working compiler."""
+    return compiled_library(_SOURCE, folder, native_flags(forced_isa), _HEADERS, fallback="torch for the row-wise ops")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tollway.model.native.build import NATIVE_FLAGS, compiled_library
+from tollway.model.native.build import compiled_library, native_flags
 from tollway.model.native.qmatmul import q8_library
 from tollway.checkpoint import cache_root
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
@@ -52,9 +52,9 @@ def native_draw(cache_dir: str | os.PathLike | None = None) -> NativeDraw | None
     None without a compiler, or with TOLLWAY_NATIVE=0."""
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
-    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", NATIVE_FLAGS, _HEADERS,
-                           fallback="torch for sampling")
     q8 = q8_library(cache_dir)
+    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", native_flags(q8.forced if q8 else None), _HEADERS,
+                           fallback="torch for sampling")
     return NativeDraw(ctypes.CDLL(str(lib)), q8.address("q8_parallel")) if lib and q8 else None
 
 

@@ -15,10 +15,19 @@ from pathlib import Path
 
 _log = logging.getLogger(__name__)
 
-# For the sources built for this machine alone (row_ops.c, sampling.c). No -ffast-math: linking
-# with it would switch the whole process to flush-to-zero. Without trapping math, loops with
-# float compares can vectorize.
-NATIVE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
+# The CPU that each instruction set qmatmul.c can be forced down to (TOLLWAY_ISA) stands for.
+# x86-64-v3 is AVX2, FMA, F16C and BMI2: the AVX2 kernels' own.
+_FORCED_MARCH = {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
+
+
+def native_flags(forced_isa: str | None = None) -> list[str]:
+    """Flags for the sources built for one machine (row_ops.c, sampling.c): for this CPU, or for
+    the kind of CPU that `forced_isa` stands for where the integer kernels are forced below this
+    one's best (Q8Library.forced), so that a forced run measures all the native code as that CPU
+    would run it. No -ffast-math: linking with it would switch the whole process to flush-to-zero.
+    Without trapping math, loops with float compares can vectorize."""
+    march = [*_FORCED_MARCH[forced_isa], "-mtune=native"] if forced_isa else ["-march=native"]
+    return ["-O3", *march, "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
 
 
 def compiled_library(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),

@@ -57,6 +57,9 @@ class Q8Library:
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
+        # The instruction set forced below this CPU's best, else None: the other native code is
+        # then built for it too (build.native_flags).
+        self.forced = self.below_best(self.isa)
         # The cached build's name (it hashes the source and flags) and the instruction set that runs:
         # a step profile timed on one is no model of another (TOLLWAY_ISA=avx2 on an AVX-512 CPU).
         self.build = f"{Path(lib._name).stem}-{self.isa}"
@@ -68,6 +71,12 @@ class Q8Library:
         if isa not in self.supported:
             raise ValueError(f"instruction set {isa!r} is not available here (this CPU runs: {', '.join(self.supported)})")
         return isa
+
+    def below_best(self, isa: str | None) -> str | None:
+        """`isa` where this CPU runs it below its best (a forced path), None where it is the best
+        or None; ValueError where this CPU does not run it."""
+        isa = self.resolve(isa)
+        return isa if isa != self.supported[-1] else None
 
     def address(self, name: str) -> int:
         """Where the library's function `name` is, for native code that calls it."""
