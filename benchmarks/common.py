@@ -9,6 +9,19 @@ from pathlib import Path
 
 import torch
 
+# What torch may run in a run forced down to each of tollway's lower paths (TOLLWAY_ISA): its own
+# kernels, MKL's and oneDNN's then take that kind of CPU's instruction sets too, so transformers
+# and the torch floors stand against the forced kernels as on such a CPU (on this AVX-512 Xeon,
+# bf16 GEMM: 142 GFLOP/s, 24 limited to AVX2). Each is read at torch's first use, not its import.
+TORCH_LIMITS = {
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avxvnni": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+}
+# At import, before the scripts run anything on torch. A TOLLWAY_ISA of this CPU's best, or of an
+# AVX2-only CPU's own, limits torch to what it runs anyway; forced_isa() refuses an unknown one.
+os.environ.update(TORCH_LIMITS.get(os.environ.get("TOLLWAY_ISA", ""), {}))
+
 # The instruction sets that decide which integer dot-product kernels a CPU can run.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
 

@@ -2,6 +2,7 @@
 never stands for this CPU's own record, and says how it ran."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,3 +33,19 @@ def test_a_run_forced_to_a_lower_path_keeps_a_record_of_its_own(monkeypatch):
             monkeypatch.setenv("TOLLWAY_ISA", wrong)
             with pytest.raises(SystemExit, match=f"TOLLWAY_ISA={wrong}: .*this CPU runs: portable"):
                 common.forced_isa()
+
+
+def test_a_run_forced_to_avx2_runs_torch_as_an_avx2_cpu_would(monkeypatch):
+    """transformers and the torch floors are what a forced run stands against: on an AVX-512 CPU
+    they must not keep AVX-512 (nor its bf16) while tollway's kernels are held to AVX2."""
+    def run() -> str:  # what torch runs in a fresh benchmark process
+        probe = "import common, torch; print(torch.backends.cpu.get_cpu_capability())"
+        return subprocess.run([sys.executable, "-c", probe], cwd=Path(common.__file__).parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    for name in common.TORCH_LIMITS["avx2"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TOLLWAY_ISA", raising=False)
+    own = run()
+    monkeypatch.setenv("TOLLWAY_ISA", "avx2")
+    assert run() == ("AVX2" if own in ("AVX2", "AVX512") else own)
