@@ -158,6 +158,22 @@ def test_attention_is_the_same_to_the_bit_from_an_avx2_build(native, avx2_build,
     assert torch.equal(got, want)
 
 
+def test_an_sse2_build_for_the_portable_path_runs_the_same_attention_within_rounding(native, tmp_path):
+    """x86-64 without AVX (a forced portable run, or such a CPU) builds row_ops.c too. Its sums
+    round twice where the others fuse the multiply-add, so they agree within float rounding, not
+    to the bit; the matmuls' paths still agree to the bit."""
+    q8 = q8_library()
+    if q8.below_best("portable") is None:
+        pytest.skip("needs a CPU above the portable path")
+    lib = row_ops_library(tmp_path, "portable")
+    assert lib is not None  # the SIMD hints that need AVX registers stay out of it
+    sse2 = NativeRowOps(ctypes.CDLL(str(lib)), q8)
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(24, torch.float16, 48)
+    meta = step_metadata(seqs, positions, slots, bs, 24, torch.device("cpu"), False)
+    got, want = (ops.attention(qk, v, heads, cache, meta, "sliding", 24, 0.25, 5.0) for ops in (native, sse2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_of_a_token_does_not_depend_on_its_batch(native):
     """Bit for bit: a decode alone, and the last token of a chunk alone, equal themselves in the mixed step."""
     seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(24)

@@ -366,7 +366,9 @@ static inline __attribute__((always_inline)) void attend(
                         v8 qc[TILE];
                         for (int i = 0; i < tile; i++) {
                             qc[i] = load8(qv[i] + c);
+#if defined(__AVX__)  /* 8 floats fit one register only from AVX on: an SSE-only build has none to ask for */
                             __asm__("" : "+v"(qc[i]));
+#endif
                         }
                         for (int i = 0; i < tile; i++)
                             for (int u = 0; u < QK_KEYS; u++) acc[u][i] += qc[i] * k[u];
