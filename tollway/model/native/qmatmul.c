@@ -534,6 +534,7 @@ static void quantize_row_avx512(const float *restrict x, int64_t nb, int8_t *res
         offset[XS(b, 0)] = -128 * _mm512_reduce_add_epi32(sum);  /* undoes the +128 of the u8 weights in the VNNI paths */
     }
 }
+
 /* quantize_row for AVX2, written out for the same reason (gcc's vectorization of the C body took
    5 cycles a value, this 1): the same operations in the same order again. Its packing of int32 to
    bytes saturates where the C body's conversion truncates, so a NaN product (an infinite activation
