@@ -46,7 +46,7 @@ class Gemma3Model(DecoderModel):
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float32, device=device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 1.0, device)
         self.eps = cfg.rms_norm_eps
-        self.lm_head = build("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")
+        self.lm_head = build.head("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")
         self.final_logit_softcapping = cfg.final_logit_softcapping
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):

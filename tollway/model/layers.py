@@ -113,6 +113,14 @@ class LinearBuilder:
             int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
         return Linear(weight, bias, self.kernels, self.device, int8, self.q8, self.arena)
 
+    def head(self, name: str) -> Linear:
+        """The LM head: a Linear whose q8 copy finds greedy tokens on pruning copies of itself where
+        that pays (Q8Library.prunes_argmax: on AVX2; 2.2x its bytes more)."""
+        head = self(name)
+        if head.native is not None and self.q8.prunes_argmax:
+            self.q8.add_pruning(head.native, self.arena)
+        return head
+
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if name not in self.int8:
             self.int8[name], self.int8[f"{name}.scales"] = quantize_int8(self.tensors[f"{name}.weight"].float())

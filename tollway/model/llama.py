@@ -38,7 +38,7 @@ class LlamaModel(DecoderModel):
         self.embed = tensors["model.embed_tokens.weight"].float().to(device)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
-        self.lm_head = build("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
+        self.lm_head = build.head("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
 
     def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
         x = take_rows(self.embed, input_ids)

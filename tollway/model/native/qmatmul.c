@@ -42,6 +42,9 @@ wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits. 
 the same weights in q8's layout (values q - 16, the same scales) serve calls of more rows than
 q5_rows(isa): there the matmul is no longer bound by reading its weights, and taking the fifth bits
 apart at every pass cost more than the bytes saved.
+
+An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
+all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
 */
 #define _GNU_SOURCE
 #include <math.h>
@@ -1098,6 +1101,9 @@ static tile_kernel no_small_kernel(int isa) {
     return NULL;
 }
 
+/* Whether `isa` has a faster kernel for small values: where a pruned argmax pays. */
+int q8_has_small_kernel(int isa) { return q8_small_kernel_for(isa) != NULL; }
+
 static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for},
                     Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel},
                     Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel};
@@ -1125,7 +1131,12 @@ typedef struct {
     int64_t ldy;
     float *best;            /* [ranges][m][TILE] the largest output of each lane's columns in a range */
     int32_t *best_col;      /* [ranges][m][TILE] its column, the first one on ties */
+    struct pruning *prune;  /* or, for a pruned argmax, the bounds each tile's outputs go to */
 } matmul_job;
+
+struct pruning;
+static void prune_outputs(struct pruning *p, const float *out, int rows, int64_t cols, int64_t t, int64_t r0,
+                          int64_t range);
 
 /* The running largest output of each lane (column mod TILE) of `rows` rows, out [rows][TILE].
    Branch-free, so it vectorizes; a later column replaces only a strictly larger value, and
@@ -1158,7 +1169,7 @@ static void matmul_part(void *ctx, int part, int parts) {
         int64_t passes = (m1 - m0 + MAX_ROWS - 1) / MAX_ROWS;
         float *best = j->best + range * j->m * TILE;
         int32_t *best_col = j->best_col + range * j->m * TILE;
-        for (int64_t r = m0; r < m1 && !j->y; r++)
+        for (int64_t r = m0; r < m1 && !j->y && !j->prune; r++)
             for (int c = 0; c < TILE; c++) best[r * TILE + c] = -INFINITY, best_col[r * TILE + c] = (int32_t)(first * TILE + c);
         for (int64_t t = first; t < last; t++) {
             int64_t cols = j->n - t * TILE < TILE ? j->n - t * TILE : TILE;
@@ -1175,7 +1186,9 @@ static void matmul_part(void *ctx, int part, int parts) {
                     step = t + 1 < tiles ? (tb + passes * j->nb - 1) / (passes * j->nb) : 0;
                 }
                 kernel(tile, j->nb, j->xq + r0 * j->k, j->xs + r0 * j->nb, j->xo + r0 * j->nb, rows, out, ahead, step);
-                if (!j->y)
+                if (j->prune)
+                    prune_outputs(j->prune, out, rows, cols, t, r0, range);
+                else if (!j->y)
                     keep_largest(out, rows, cols, t * TILE, best + r0 * TILE, best_col + r0 * TILE);
                 else if (cols == TILE)  /* a copy of constant size, which the compiler inlines */
                     for (int r = 0; r < rows; r++)
@@ -1192,45 +1205,74 @@ static void matmul_part(void *ctx, int part, int parts) {
 static struct { void *data; size_t size; } scratch;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
-                      int64_t ldy, int64_t *argmax, int isa, int threads) {
-    if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
+/* How many ranges a call of m rows splits its tiles into. */
+static int64_t ranges_for(const format *f, int64_t m, int64_t k, int64_t tiles, int threads) {
     int64_t ranges = tiles < RANGES_PER_THREAD * threads ? tiles : RANGES_PER_THREAD * threads;
     if (m <= MAX_ROWS) {  /* one pass: the call streams its weights, and each range restarts the stream */
         int64_t by_size = (tiles * f->tile_bytes(k) + MIN_RANGE_BYTES - 1) / MIN_RANGE_BYTES;
         by_size = (by_size + threads - 1) / threads * threads;  /* a whole number per thread */
         ranges = by_size < ranges ? by_size : ranges;
     }
-    size_t maxima = y ? 0 : (size_t)(ranges * m * TILE * 8);
-    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;  /* whole groups */
-    size_t need = (size_t)(padded * nb * 8) + maxima + (size_t)(padded * k);
-    pthread_mutex_lock(&scratch_lock);
+    return ranges;
+}
+
+/* The scratch buffer, at least `need` bytes; NULL when memory ran out. The caller holds scratch_lock. */
+static void *scratch_reserve(size_t need) {
     if (scratch.size < need) {
         void *grown = realloc(scratch.data, need);
-        if (!grown) {
-            pthread_mutex_unlock(&scratch_lock);
-            return -1;
-        }
+        if (!grown) return NULL;
         scratch.data = grown;
         scratch.size = need;
     }
-    float *best = scratch.data;  /* 4-byte items first, then bytes */
-    int32_t *best_col = (int32_t *)(best + (y ? 0 : ranges * m * TILE));
-    float *xs = (float *)(best_col + (y ? 0 : ranges * m * TILE));
-    int32_t *xo = (int32_t *)(xs + padded * nb);
-    int8_t *xq = (int8_t *)(xo + padded * nb);
-    quantize_job q = {x, ldx, m, k, xq, xs, xo, isa};
+    return scratch.data;
+}
+
+/* Bytes of a call's quantized activations (whole groups of rows), and the activations themselves:
+   xs and xo, [padded rows][nb] each, then xq, at `at`. */
+static size_t quantized_bytes(int64_t m, int64_t k) {
+    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;
+    return (size_t)(padded * (k / QBLOCK) * 8 + padded * k);
+}
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, void *at, int8_t **xq, float **xs,
+                          int32_t **xo, int isa, int threads) {
+    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS, nb = k / QBLOCK;
+    *xs = at;
+    *xo = (int32_t *)(*xs + padded * nb);
+    *xq = (int8_t *)(*xo + padded * nb);
+    quantize_job q = {x, ldx, m, k, *xq, *xs, *xo, isa};
     if (m * k >= QUANTIZE_PARALLEL)
         run_parallel(threads, quantize_part, &q);
     else
         quantize_part(&q, 0, 1);
+}
+
+static int64_t row_chunk_for(int64_t k) {
     int64_t row_chunk = ROW_CHUNK_BYTES / k;
-    row_chunk = row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
+    return row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
+}
+
+static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+                      int64_t ldy, int64_t *argmax, int isa, int threads) {
+    if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, ranges = ranges_for(f, m, k, tiles, threads);
+    size_t maxima = y ? 0 : (size_t)(ranges * m * TILE * 8);
+    pthread_mutex_lock(&scratch_lock);
+    float *best = scratch_reserve(maxima + quantized_bytes(m, k));  /* 4-byte items first, then bytes */
+    if (!best) {
+        pthread_mutex_unlock(&scratch_lock);
+        return -1;
+    }
+    int32_t *best_col = (int32_t *)(best + (y ? 0 : ranges * m * TILE));
+    int8_t *xq;
+    float *xs;
+    int32_t *xo;
+    quantize_rows(x, ldx, m, k, best_col + (y ? 0 : ranges * m * TILE), &xq, &xs, &xo, isa, threads);
+    int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {f->kernel_for(isa), f->small_kernel_for(isa), packed + tiles * f->tile_bytes(k), f->tile_bytes(k),
                     xq, xs, xo, m, k, n, nb, row_chunk, ranges,
-                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col};
+                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col, NULL};
     run_parallel(threads, matmul_part, &j);
     for (int64_t r = 0; r < m && !y; r++) {  /* the largest over ranges and lanes; a tie keeps the first column */
         float top = -INFINITY;
@@ -1287,6 +1329,8 @@ int q5_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const ui
                           isa, threads);
     return run_matmul(&Q5, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
 }
+
+#include "qmatmul_pruned_argmax.h"
 
 /* ---- the dot-product peak: registers only, for benchmarks to measure against ---- */
 

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from tollway.checkpoint import cache_root
 _log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCE = _HERE / "qmatmul.c"
-_HEADERS = (_HERE / "qmatmul_tile256.h",)
+_HEADERS = (_HERE / "qmatmul_tile256.h", _HERE / "qmatmul_pruned_argmax.h")
 # No -march=native: each kernel carries its own target attribute, so the lower paths stay what
 # they claim to be. No FMA contraction: the float sums are written out, the same in every path.
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
@@ -34,6 +35,14 @@ _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno"
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
 KINDS = ("q8", "q4", "q5")  # the weight formats
 BLOCK = 32  # K values per scale
+TILE = 16  # output rows per tile
+# The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
+# bound by reading its weights, which the pruned one reads more of.
+PRUNED_ARGMAX_ROWS = 4
+# Rows of nearly flat logits (a model fed random tokens) leave thousands of columns within reach
+# of the top, and run the exact matmul after the coarse one, which then costs more than the exact
+# one alone: after a call where more than a quarter of the rows did, this many calls skip pruning.
+PRUNING_PAUSE_CALLS = 16
 
 
 class Q8Library:
@@ -54,6 +63,9 @@ class Q8Library:
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
                          for kind in KINDS}  # (matmul, argmax) per weight format
+        self._pack_pruning = _bind(lib.q8_pack_pruning, i32, p, i64, i64, p, p, p)
+        self._column_bytes = _bind(lib.q8_column_bytes, i64, i64)
+        self._argmax_pruned = _bind(lib.q8_matmul_argmax_pruned, i64, p, i64, i64, i64, p, p, p, p, i64, p, i32, i32)
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
@@ -63,6 +75,9 @@ class Q8Library:
         # The cached build's name (it hashes the source and flags) and the instruction set that runs:
         # a step profile timed on one is no model of another (TOLLWAY_ISA=avx2 on an AVX-512 CPU).
         self.build = f"{Path(lib._name).stem}-{self.isa}"
+        # Whether an LM head's argmax pays for pruning on a coarse copy here: where the coarse
+        # values run a faster kernel than full-range int8 (AVX2's small-value one).
+        self.prunes_argmax = bool(_bind(lib.q8_has_small_kernel, i32, i32)(ISAS.index(self.isa)))
 
     def resolve(self, isa: str | None) -> str:
         """`isa` when this CPU runs it, the best it runs when None."""
@@ -150,6 +165,34 @@ class Q8Library:
         self._q5_pack(q.data_ptr(), d.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(self, "q5", data, n, k)
 
+    def add_pruning(self, weight: PackedWeight, arena: HugePageArena | None = None) -> bool:
+        """Gives q8 `weight` the copies its argmax prunes on at PRUNED_ARGMAX_ROWS rows or more
+        (qmatmul_pruned_argmax.h): its values rounded to q / 8 in the same tiles, a bound per
+        column and block, and its exact values laid out by column; 2.2x the packing's bytes.
+        False, and nothing added, for another kind or scales past fp16's range once times 8."""
+        if weight.kind != "q8":
+            return False
+        n, k = weight.out_features, weight.in_features
+        coarse = _empty(self._packed_bytes(n, k), arena)
+        reach = torch.empty((n + TILE - 1) // TILE * (k // BLOCK) * (TILE + 1))
+        columns = _empty(n * self._column_bytes(k), arena)
+        if self._pack_pruning(weight.data.data_ptr(), n, k, coarse.data_ptr(), reach.data_ptr(), columns.data_ptr()):
+            return False
+        weight.pruning = Pruning(coarse, reach, columns)
+        return True
+
+    def pruned_argmax(self, x: torch.Tensor, weight: PackedWeight, isa: str | None = None) -> tuple[torch.Tensor, int]:
+        """argmax(x, weight) found on its pruning copies (add_pruning), always the same columns, and
+        how many rows the bounds left to the exact matmul."""
+        x = _rows(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        p = weight.pruning
+        exact_rows = self._argmax_pruned(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                                         p.coarse.data_ptr(), p.reach.data_ptr(), p.columns.data_ptr(), weight.out_features,
+                                         out.data_ptr(), self._isa_index(isa), torch.get_num_threads())
+        self._check(exact_rows < 0)
+        return out, exact_rows
+
     def matmul(self, x: torch.Tensor, weight: PackedWeight, isa: str | None = None) -> torch.Tensor:
         """x: [M, K] float32 (rows may be strided) -> [M, N] float32."""
         x = _rows(x)
@@ -163,6 +206,13 @@ class Q8Library:
         """The column of each row's largest output of matmul(x, weight), the first on ties, without
         writing the outputs: [M] int64."""
         x = _rows(x)
+        p = weight.pruning
+        if p is not None and x.shape[0] >= PRUNED_ARGMAX_ROWS:
+            if not p.paused:
+                out, exact_rows = self.pruned_argmax(x, weight, isa)
+                p.paused = PRUNING_PAUSE_CALLS if exact_rows * 4 > x.shape[0] else 0
+                return out
+            p.paused -= 1
         out = torch.empty(x.shape[0], dtype=torch.int64)
         _, argmax = self._kernels[weight.kind]
         self._check(argmax(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
@@ -203,6 +253,7 @@ class PackedWeight:
     def __init__(self, library: Q8Library, kind: str, data: torch.Tensor, out_features: int, in_features: int):
         self.library, self.kind, self.data = library, kind, data
         self.out_features, self.in_features = out_features, in_features
+        self.pruning: Pruning | None = None  # see Q8Library.add_pruning
 
     def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.matmul(x, self, isa)
@@ -212,6 +263,16 @@ class PackedWeight:
 
     def streamed_bytes(self, rows: int, isa: str | None = None) -> int:
         return self.library.streamed_bytes(self, rows, isa)
+
+
+@dataclass
+class Pruning:
+    """A q8 weight's copies for a pruned argmax (Q8Library.add_pruning), and how many more calls
+    skip it (PRUNING_PAUSE_CALLS)."""
+    coarse: torch.Tensor
+    reach: torch.Tensor
+    columns: torch.Tensor
+    paused: int = 0
 
 
 def _empty(nbytes: int, arena: HugePageArena | None) -> torch.Tensor:
