@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
+import random
 from pathlib import Path
 
 import torch
+
+from tollway.bench.workload import exact_prompt, plain_words
+from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path
+from tollway.text.tokenizer import Tokenizer
 
 # What torch may run in a run forced down to each of tollway's lower paths (TOLLWAY_ISA): its own
 # kernels, MKL's and oneDNN's then take that kind of CPU's instruction sets too, so transformers
@@ -89,11 +95,19 @@ def machine_info() -> dict:
     }
 
 
-def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
-    # Ordinary vocabulary ids (past Gemma's control tokens); distinct per request so the
-    # prefix cache never shortcuts a prefill.
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, min(vocab, 100_000), (count, length), generator=g).tolist()
+def text_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids of the default model, drawn as `tollway bench` draws
+    them: common words at random, distinct per request, so the prefix cache never shortcuts a
+    prefill. Not random token ids: on those a model's next-token logits come out nearly flat, as on
+    no request a user sends, and the LM head's pruned argmax (AVX2) then runs the exact one."""
+    tokenizer = _default_tokenizer()
+    words, rng = plain_words(tokenizer), random.Random(seed)
+    return [tokenizer.encode(exact_prompt(tokenizer, words, length, rng)) for _ in range(count)]
+
+
+@functools.lru_cache(maxsize=None)
+def _default_tokenizer():
+    return Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
 
 
 def write_readme(readme: Path, name: str, section: str) -> None:

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import command_line, machine_info, random_prompts, run_benchmark, targets_line  # noqa: E402
+from common import command_line, machine_info, run_benchmark, targets_line, text_prompts  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
@@ -148,7 +148,7 @@ def tollway_decode(engine: Engine, b: int, prompt_len: int, new_tokens: int, see
     the steps see the same machine as the steps, which a noisy machine otherwise denies."""
     every = max(2, new_tokens // 8)
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True)
-    for ids in random_prompts(b, prompt_len, seed, engine.model_config.vocab_size):
+    for ids in text_prompts(b, prompt_len, seed):
         engine.add_request(ids, params)
     steps, full_width_seen, profiled = [], 0, None
     with tqdm(total=b * (prompt_len + new_tokens - 1), desc=f"tollway decode b={b}", unit="tok", leave=False) as bar:
@@ -186,7 +186,7 @@ def tollway_prefill(engine: Engine, length: int, runs: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     attempts = []
     for run in tqdm(range(runs), desc=f"tollway prefill {length}", leave=False):
-        [ids] = random_prompts(1, length, 10_000 + run, engine.model_config.vocab_size)
+        [ids] = text_prompts(1, length, 10_000 + run)
         engine.add_request(ids, params)
         steps = []
         while engine.has_unfinished():
@@ -324,7 +324,7 @@ def run(settings: dict, quick: bool) -> dict:
         opts = settings["hf"][dtype]
         runs = {}
         for i, b in enumerate(tqdm(settings["batches"], desc=f"transformers {dtype}", leave=False)):
-            prompts = [p[: opts["prompt_len"]] for p in random_prompts(b, settings["prompt_len"], i, loaded.config.vocab_size)]
+            prompts = [p[: opts["prompt_len"]] for p in text_prompts(b, settings["prompt_len"], i)]
             runs[b] = hf_decode(hf, prompts, opts["new_tokens"])
         result["transformers"][dtype] = {**opts, "runs": runs}
 

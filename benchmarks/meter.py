@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, random_prompts, run_benchmark, targets_line  # noqa: E402
+from common import machine_info, run_benchmark, targets_line, text_prompts  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.meter.ledger import Ledger  # noqa: E402
@@ -38,8 +38,7 @@ def run_scenario(engine: Engine, policy: str, with_fast: bool, settings: dict, m
     """Every request added at once (a saturated engine), run to the end; per tier totals."""
     params = SamplingParams(temperature=0, max_tokens=settings["new_tokens"], ignore_eos=True)
     counts = {"standard": settings["standard"], "batch": settings["batch"], "fast": settings["fast"] if with_fast else 0}
-    prompts = iter(random_prompts(sum(counts.values()), settings["prompt_len"], len(policy) + with_fast,
-                                  engine.model_config.vocab_size))
+    prompts = iter(text_prompts(sum(counts.values()), settings["prompt_len"], len(policy) + with_fast))
     # Arrivals interleave the tiers evenly, so that under FCFS no tier is left alone at the tail.
     order = sorted(((i + 0.5) / n, tier) for tier, n in counts.items() for i in range(n))
     tiers = {engine.add_request(next(prompts), params, tier=tier): tier for _, tier in order}

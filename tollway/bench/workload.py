@@ -104,7 +104,7 @@ class Requests:
         if self._dataset is None:
             if tokenizer is None:
                 raise ValueError("prompts of exact token lengths need a tokenizer (--tokenizer), or give --dataset")
-            self._words = _plain_words(tokenizer)
+            self._words = plain_words(tokenizer)
         self._index = 0
 
     def next(self) -> RequestSpec:
@@ -137,7 +137,7 @@ def exact_prompt(tokenizer, words: list[str], n: int, rng: random.Random) -> str
     raise ValueError(f"cannot build a prompt of exactly {n} tokens with this tokenizer")
 
 
-def _plain_words(tokenizer) -> list[str]:
+def plain_words(tokenizer) -> list[str]:
     """Lower-case ASCII words that are one token each after a space: the prompt vocabulary."""
     words = []
     for word in ("the of and to in is was for that on with as by at from his it an were are which this be or "
