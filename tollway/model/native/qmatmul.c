@@ -1227,16 +1227,19 @@ static void *scratch_reserve(size_t need) {
     return scratch.data;
 }
 
-/* Bytes of a call's quantized activations (whole groups of rows), and the activations themselves:
-   xs and xo, [padded rows][nb] each, then xq, at `at`. */
-static size_t quantized_bytes(int64_t m, int64_t k) {
-    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;
-    return (size_t)(padded * (k / QBLOCK) * 8 + padded * k);
-}
+/* m rows rounded up to whole groups of MAX_ROWS, as the quantized activations hold them. */
+static int64_t padded_rows(int64_t m) { return (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS; }
 
+/* The threads a call asks for, within what the pool runs. */
+static int clamped_threads(int threads) { return threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads; }
+
+/* Bytes of a call's quantized activations. */
+static size_t quantized_bytes(int64_t m, int64_t k) { return (size_t)(padded_rows(m) * (k / QBLOCK * 8 + k)); }
+
+/* The quantized activations at `at`: xs and xo, [padded rows][nb] each, then xq. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, void *at, int8_t **xq, float **xs,
                           int32_t **xo, int isa, int threads) {
-    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS, nb = k / QBLOCK;
+    int64_t padded = padded_rows(m), nb = k / QBLOCK;
     *xs = at;
     *xo = (int32_t *)(*xs + padded * nb);
     *xq = (int8_t *)(*xo + padded * nb);
@@ -1255,7 +1258,7 @@ static int64_t row_chunk_for(int64_t k) {
 static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
                       int64_t ldy, int64_t *argmax, int isa, int threads) {
     if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    threads = clamped_threads(threads);
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, ranges = ranges_for(f, m, k, tiles, threads);
     size_t maxima = y ? 0 : (size_t)(ranges * m * TILE * 8);
     pthread_mutex_lock(&scratch_lock);

@@ -35,7 +35,6 @@ _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno"
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
 KINDS = ("q8", "q4", "q5")  # the weight formats
 BLOCK = 32  # K values per scale
-TILE = 16  # output rows per tile
 # The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
 # bound by reading its weights, which the pruned one reads more of.
 PRUNED_ARGMAX_ROWS = 4
@@ -65,6 +64,7 @@ class Q8Library:
                          for kind in KINDS}  # (matmul, argmax) per weight format
         self._pack_pruning = _bind(lib.q8_pack_pruning, i32, p, i64, i64, p, p, p)
         self._column_bytes = _bind(lib.q8_column_bytes, i64, i64)
+        self._reach_floats = _bind(lib.q8_reach_floats, i64, i64, i64)
         self._argmax_pruned = _bind(lib.q8_matmul_argmax_pruned, i64, p, i64, i64, i64, p, p, p, p, i64, p, i32, i32)
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
@@ -174,7 +174,7 @@ class Q8Library:
             return False
         n, k = weight.out_features, weight.in_features
         coarse = _empty(self._packed_bytes(n, k), arena)
-        reach = torch.empty((n + TILE - 1) // TILE * (k // BLOCK) * (TILE + 1))
+        reach = torch.empty(self._reach_floats(n, k))
         columns = _empty(n * self._column_bytes(k), arena)
         if self._pack_pruning(weight.data.data_ptr(), n, k, coarse.data_ptr(), reach.data_ptr(), columns.data_ptr()):
             return False

@@ -27,6 +27,9 @@ _Static_assert(127 / COARSE_STEP + 1 <= SMALL_VALUES, "coarse values are small v
    cache line. */
 int64_t q8_column_bytes(int64_t k) { return (k + k / QBLOCK * 2 + 63) / 64 * 64; }
 
+/* Floats of the reach: [tiles][nb][TILE], then [tiles][nb]. */
+int64_t q8_reach_floats(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * (k / QBLOCK) * (TILE + 1); }
+
 /* From a q8 packing of [n, k]: coarse (q8_packed_bytes(n, k) bytes, the coarse tiles and their
    largest values), reach ([tiles][nb][TILE] floats, then [tiles][nb]: each tile's largest per block)
    and columns (n x q8_column_bytes(k) bytes).
@@ -317,9 +320,9 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
                                 const uint8_t *coarse, const float *reach, const uint8_t *columns, int64_t n,
                                 int64_t *argmax, int isa, int threads) {
     if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    threads = clamped_threads(threads);
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, ranges = ranges_for(&Q8, m, k, tiles, threads);
-    int64_t padded = (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;
+    int64_t padded = padded_rows(m);
     size_t lists = (size_t)(ranges * m) * CANDIDATES * sizeof(candidate);
     size_t floats = (size_t)(3 * ranges * m + m + padded * nb) * 4;
     pthread_mutex_lock(&scratch_lock);
