@@ -1,5 +1,5 @@
 """All decoder layers in one native call give the same bits as running them layer by layer, on
-every architecture tollway runs, on one thread or several."""
+every architecture tollway runs, on one thread or several: tokens, logprobs and KV caches."""
 from __future__ import annotations
 
 import shutil
@@ -17,19 +17,26 @@ pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc
 
 
 def _steps(vocab: int):
-    """Two steps: two prefills, then two decodes beside a 120-token prefill, long enough that the
-    row-wise work and attention are split over the threads."""
+    """Four steps: two prefills; two decodes beside a 120-token prefill, long enough that the
+    row-wise work and attention are split over the threads; two decodes beside the first chunk
+    of a prefill, which samples nothing; and the rest of that prefill. The fused call runs its
+    last layer past K and V only for the rows that sample, so the caches must come out the same."""
     g = torch.Generator().manual_seed(7)
-    ids = {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in (("a", 9), ("b", 20), ("c", 120))}
+    ids = {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in (("a", 9), ("b", 20), ("c", 120),
+                                                                               ("d", 40))}
     params = SamplingParams(temperature=0, logprobs=5)
-    tables = {"a": tuple(range(0, 8)), "b": tuple(range(8, 16)), "c": tuple(range(16, 48))}
+    tables = {"a": tuple(range(0, 8)), "b": tuple(range(8, 16)), "c": tuple(range(16, 48)), "d": tuple(range(48, 60))}
     first = [ScheduledSeq(r, "standard", tuple(ids[r]), 0, tables[r], True, params) for r in ("a", "b")]
     second = [ScheduledSeq(r, "standard", (ids[r][-1],), len(ids[r]), tables[r], True, params) for r in ("a", "b")]
     second.append(ScheduledSeq("c", "standard", tuple(ids["c"]), 0, tables["c"], True, params))
-    return [StepPlan(0, first, "q8"), StepPlan(1, second, "q8")]
+    third = [ScheduledSeq(r, "standard", (ids[r][0],), len(ids[r]) + 1, tables[r], True, params) for r in ("a", "b")]
+    third.append(ScheduledSeq("d", "standard", tuple(ids["d"][:30]), 0, tables["d"], False, params))
+    fourth = [ScheduledSeq("d", "standard", tuple(ids["d"][30:]), 30, tables["d"], True, params)]
+    return [StepPlan(i, seqs, "q8") for i, seqs in enumerate((first, second, third, fourth))]
 
 
 def _run(loaded, cache, fused: bool, threads: int, kv_cache_dtype: str):
+    """Each step's tokens with their logprobs, and the KV caches after the last step."""
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                          torch.device("cpu"), {"q8"}, cache_dir=str(cache), kv_cache_dtype=kv_cache_dtype)
     assert runner.caches[0].k.dtype == {"float32": torch.float32, "float16": torch.float16}[kv_cache_dtype]
@@ -44,11 +51,22 @@ def _run(loaded, cache, fused: bool, threads: int, kv_cache_dtype: str):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = [runner.execute(plan).tokens for plan in _steps(loaded.config.vocab_size)]
+        steps = _steps(loaded.config.vocab_size)
+        results = [runner.execute(plan).tokens for plan in steps]
     finally:
         torch.set_num_threads(before)
-    assert ran == [fused, fused]  # the fused path really ran (or really did not)
-    return [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()} for step in results]
+    assert ran == [fused] * len(steps)  # the fused path really ran (or really did not)
+    assert [sorted(step) for step in results] == [["a", "b"], ["a", "b", "c"], ["a", "b"], ["d"]]
+    tokens = [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()}
+              for step in results]
+    return tokens, [(c.k.clone(), c.v.clone()) for c in runner.caches]
+
+
+def _same(a, b) -> bool:
+    tokens_a, caches_a = a
+    tokens_b, caches_b = b
+    return tokens_a == tokens_b and all(torch.equal(x, y) for pair_a, pair_b in zip(caches_a, caches_b)
+                                        for x, y in zip(pair_a, pair_b))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
@@ -56,8 +74,8 @@ def _run(loaded, cache, fused: bool, threads: int, kv_cache_dtype: str):
 def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, native_cache, name, kv_cache_dtype):
     loaded = load_weights(str(tiny_hf_models[name]), progress=False)
     want = _run(loaded, native_cache, False, 2, kv_cache_dtype)
-    assert _run(loaded, native_cache, True, 2, kv_cache_dtype) == want
-    assert _run(loaded, native_cache, True, 1, kv_cache_dtype) == want
+    assert _same(_run(loaded, native_cache, True, 2, kv_cache_dtype), want)
+    assert _same(_run(loaded, native_cache, True, 1, kv_cache_dtype), want)
 
 
 def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, native_cache):

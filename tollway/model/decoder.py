@@ -37,17 +37,21 @@ class DecoderModel:
     final_logit_softcapping: float | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-                meta: AttentionMetadata, kernel: str) -> torch.Tensor:
+                meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's hidden states of the rows in `keep` (indices, ascending), or of every
+        row; every row's K and V go to the caches either way."""
         raise NotImplementedError
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                   kernel: str) -> torch.Tensor:
-        """x through every layer, in place: in one native call where the row ops have one for
-        this kernel (native_layers.py), else layer by layer."""
-        if not self.ops.run_layers(self.layers, x, caches, meta, kernel):
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, positions, cache, meta, kernel)
-        return x
+                   kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x through every layer, in place, and then the rows in `keep` (all if None): in one
+        native call where the row ops have one for this kernel (native_layers.py), whose last
+        layer computes only those rows past their K and V; else layer by layer, every row."""
+        if self.ops.run_layers(self.layers, x, caches, meta, kernel, keep):
+            return x if keep is None else x[:len(keep)]
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, positions, cache, meta, kernel)
+        return x if keep is None else take_rows(x, keep)
 
     def logits(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
         out = self.lm_head(self.ops.rms_norm(hidden, self.final_norm, self.eps), kernel)

@@ -49,6 +49,7 @@ class Gemma3Model(DecoderModel):
         self.lm_head = build.head("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")
         self.final_logit_softcapping = cfg.final_logit_softcapping
 
-    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
+    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
+                keep=None):
         x = take_rows(self.embed, input_ids, self.embed_scale)
-        return self.run_layers(x, positions, caches, meta, kernel)
+        return self.run_layers(x, positions, caches, meta, kernel, keep)

@@ -40,6 +40,7 @@ class LlamaModel(DecoderModel):
         self.eps = cfg.rms_norm_eps
         self.lm_head = build.head("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
 
-    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str):
+    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
+                keep=None):
         x = take_rows(self.embed, input_ids)
-        return self.run_layers(x, positions, caches, meta, kernel)
+        return self.run_layers(x, positions, caches, meta, kernel, keep)

@@ -37,6 +37,7 @@ class _Layer(ctypes.Structure):  # row_ops.c's `layer`
 class _Step(ctypes.Structure):  # row_ops.c's `step`
     _fields_ = [("tokens", _i64), ("hidden", _i64), ("positions", _p), ("slots", _p), ("tables", _p),
                 ("table_rows", _p), ("table_width", _i64), ("block_size", _i64),
+                ("kept", _i64), ("keep", _p), ("kept_positions", _p), ("kept_table_rows", _p),
                 ("normed", _p), ("qkv", _p), ("qk", _p), ("attn", _p), ("h", _p), ("gate_up", _p), ("act", _p),
                 ("parallel", _p), ("isa", _i32), ("threads", _i32)]
 
@@ -58,9 +59,12 @@ class NativeLayers:
         self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
         self._buffer = torch.empty(0)
 
-    def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str) -> bool:
-        """x through every layer, in place; False (nothing done) where this kernel has a layer
-        without native weights, or the step does not carry the block tables."""
+    def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
+            keep: torch.Tensor | None = None) -> bool:
+        """x through every layer, in place; with `keep` (row indices, ascending), x's first
+        len(keep) rows are then those rows' outputs, and the last layer runs only their
+        attention and MLP. False (nothing done) where this kernel has a layer without native
+        weights, or the step does not carry the block tables."""
         if meta.tables is None:
             return False
         key = (kernel, id(caches))
@@ -71,8 +75,12 @@ class NativeLayers:
             return False
         t, hidden = x.shape
         scratch, rows = self._scratch(layers[0], t, hidden)  # alive until the call returns
+        kept = (0, None, None, None)
+        if keep is not None:  # alive until the call returns
+            kept_positions, kept_table_rows = meta.positions[keep], meta.table_rows[keep]
+            kept = (len(keep), keep.data_ptr(), kept_positions.data_ptr(), kept_table_rows.data_ptr())
         step = _Step(t, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
-                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *rows,
+                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *kept, *rows,
                      self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
         if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
             raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")

@@ -568,6 +568,10 @@ typedef struct {
     int64_t tokens, hidden;
     const int64_t *positions, *slots, *tables, *table_rows;
     int64_t table_width, block_size;
+    /* The rows whose output the caller reads (their indices ascending, with their positions and
+       table rows), or keep NULL for all: the last layer runs only its K and V for the others. */
+    int64_t kept;
+    const int64_t *keep, *kept_positions, *kept_table_rows;
     /* scratch, [tokens, ...] each: normed [hidden], qkv [qkv.n], qk [heads + kv_heads, d],
        attn [heads * d], h [hidden], gate_up [2 * width], act [width] */
     float *normed, *qkv, *qk, *attn, *h, *gate_up, *act;
@@ -636,15 +640,35 @@ static int run_linear(const linear *lin, const step *s, const float *x, float *y
     return 0;
 }
 
-/* x [tokens, hidden] through `count` layers, in place. Returns 0, or -1 when a matmul failed
-   (its instruction set is not supported here, or memory ran out). */
-int decoder_layers(const layer *layers, int64_t count, const step *s, float *x) {
+/* Row keep[k] of a [rows, width] array moved to row k, for k < kept: keep ascends, so each row
+   is read before anything is written over it. */
+static void keep_rows(float *a, int64_t width, const int64_t *keep, int64_t kept) {
+    for (int64_t k = 0; k < kept; k++)
+        if (keep[k] != k) memcpy(a + k * width, a + keep[k] * width, (size_t)width * sizeof(float));
+}
+
+/* x [tokens, hidden] through `count` layers, in place; with s->keep, x's first s->kept rows are
+   then the kept rows' outputs. The last layer's attention, o and MLP run only for those rows:
+   the other rows only leave their K and V for later steps (a prefill samples from its last row
+   alone). Each row's result is the same either way: these operations work row by row.
+   Returns 0, or -1 when a matmul failed (its instruction set is not supported here, or memory
+   ran out). */
+int decoder_layers(const layer *layers, int64_t count, const step *all, float *x) {
+    step kept = *all;
+    kept.tokens = all->kept, kept.positions = all->kept_positions, kept.table_rows = all->kept_table_rows;
+    const step *s = all;
     for (int64_t i = 0; i < count; i++) {
         const layer *l = layers + i;
         int64_t d = l->head_dim;
         run_rows(OP_INPUT_NORM, l, s, x);
         if (run_linear(&l->qkv, s, s->normed, s->qkv)) return -1;
         run_rows(OP_QK_ROPE_KV, l, s, x);
+        if (i == count - 1 && all->keep) {
+            keep_rows(s->qk, (l->heads + l->kv_heads) * d, all->keep, all->kept);
+            keep_rows(x, s->hidden, all->keep, all->kept);
+            s = &kept;
+            if (!s->tokens) return 0;
+        }
         attention_job a = {s->qk, (l->heads + l->kv_heads) * d, s->tokens, l->heads, l->kv_heads, d, l->k_cache,
                            l->v_cache, s->tables, s->table_width, s->table_rows, s->positions, s->block_size,
                            l->window, l->scale, l->softcap, s->attn, l->kv_half};

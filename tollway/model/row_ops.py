@@ -67,9 +67,10 @@ class TorchRowOps:
         return act * up
 
     def run_layers(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                   kernel: str) -> bool:
+                   kernel: str, keep: torch.Tensor | None = None) -> bool:
         """x through every layer in one call, in place, where this path has one; False: the
-        caller runs the layers one by one."""
+        caller runs the layers one by one. With `keep` (row indices, ascending), x's first
+        len(keep) rows are then those rows' outputs (see native_layers.py)."""
         return False
 
 
@@ -130,8 +131,8 @@ class NativeRowOps(TorchRowOps):
         self._gated(gate_up.data_ptr(), gate_up.shape[0], width, ACTIVATIONS[activation], out.data_ptr())
         return out
 
-    def run_layers(self, layers, x, caches, meta, kernel):
-        return self._layers.run(layers, x, caches, meta, kernel)
+    def run_layers(self, layers, x, caches, meta, kernel, keep=None):
+        return self._layers.run(layers, x, caches, meta, kernel, keep)
 
 
 def _bind(fn, *argtypes):

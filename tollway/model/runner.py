@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
-from tollway.model.decoder import DecoderModel, take_rows
+from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.grammar import Grammars
 from tollway.model.host_memory import keep_freed_memory, populate_in_background
@@ -70,12 +70,12 @@ class ModelRunner:
         # Decodes first so they form one contiguous, batched group of rows.
         seqs = sorted(plan.seqs, key=lambda s: not s.is_decode)
         input_ids, positions, meta, logit_rows = self._prepare(seqs)
-        hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel)
         sampled = [s for s in seqs if s.sample]
+        rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
+        keep = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep)
         tokens, own = {}, {}
         if sampled:
-            rows = torch.tensor([r for s in sampled for r in logit_rows[s.request_id]], device=self.device)
-            hidden = take_rows(hidden, rows)
             argmax = self.model.greedy_tokens(hidden, plan.kernel) if only_argmax_needed(sampled) else None
             if argmax is not None:
                 picked = sample_greedy(argmax, sampled)
