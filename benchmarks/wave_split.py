@@ -21,13 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common import command_line, machine_info, run_benchmark, text_prompts  # noqa: E402
 from tollway.config import EngineConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
-from tollway.model.kernel_profile import model_linears  # noqa: E402
+from tollway.model.kernel_profile import matmul_floor_seconds  # noqa: E402
 from tollway.model.weights import load_weights  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
 
@@ -49,21 +48,6 @@ def timed_head(engine: Engine) -> list[float]:
 
     library.argmax = timed
     return calls
-
-
-@torch.inference_mode()
-def layers_seconds(engine: Engine, rows: int, repeats: int = 5) -> float:
-    """Every linear layer but the head at `rows` rows, the median of `repeats` passes."""
-    model = engine.runner.model
-    linears = [lin for lin in model_linears(model) if lin is not model.lm_head]
-    inputs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in linears}
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for lin in linears:
-            lin(inputs[lin.in_features], "q8")
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(settings: dict, quick: bool) -> dict:
@@ -108,7 +92,7 @@ def run(settings: dict, quick: bool) -> dict:
             "decode_only_seconds": median_wave["decode_only_seconds"],
             "decode_step_seconds": statistics.median(s["seconds"] for s in steps),
             "head_seconds": statistics.median(s["head"] for s in steps),
-            "layers_matmul_seconds": layers_seconds(engine, b),
+            "layers_matmul_seconds": matmul_floor_seconds(engine.runner.model, "q8", b, repeats=5, head=False),
         },
     }
 

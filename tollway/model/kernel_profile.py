@@ -25,10 +25,12 @@ def model_linears(model: DecoderModel) -> list[Linear]:
 
 
 @torch.inference_mode()
-def matmul_floor_seconds(model: DecoderModel, kernel: str, num_tokens: int, repeats: int = 3) -> float:
-    """Median time of `repeats` passes through every linear layer at `num_tokens` rows: the
-    median, like the step times it is compared with, so machine noise biases neither side."""
-    linears = model_linears(model)
+def matmul_floor_seconds(model: DecoderModel, kernel: str, num_tokens: int, repeats: int = 3,
+                         head: bool = True) -> float:
+    """Median time of `repeats` passes through every linear layer (the LM head only if `head`) at
+    `num_tokens` rows: the median, like the step times it is compared with, so machine noise
+    biases neither side."""
+    linears = model_linears(model) if head else model_linears(model)[:-1]
     device = model.embed.device
     inputs = {lin.in_features: torch.randn(num_tokens, lin.in_features, device=device) for lin in linears}
     times = []
