@@ -3,13 +3,14 @@ the exact argmax's column, on every path, ties going to the first; rows the boun
 run the exact matmul, and a weight whose rows keep doing so stops pruning for a while."""
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
 import torch
 
 from tollway.model.layers import LinearBuilder
-from tollway.model.native.qmatmul import PRUNING_PAUSE_CALLS, Q8Library
+from tollway.model.native.qmatmul import ISAS, PRUNING_PAUSE_CALLS, Q8Library, _bind
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
@@ -78,6 +79,36 @@ def test_the_pruned_argmax_is_the_exact_one_on_every_path(native_library, head, 
                 assert exact_rows == 0, (count, isa)  # the bounds settled every row
     finally:
         torch.set_num_threads(threads)
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 per block of 32 with a scale amax / 127, back in float."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, 0.0)).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13])
+def test_the_coarse_kernels_compute_the_coarse_copy(native_library, m):
+    """Each path's coarse outputs are the coarse weights times the quantized activations, in the
+    same bits on every path (the tail tile included: 1000 columns are 62.5 tiles)."""
+    packed = native_library.pack(_head(1000, 640, seed=8))
+    assert native_library.add_pruning(packed)
+    coarse = _head(1000, 640, seed=8, coarse=True).double()
+    x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m)) * 3
+    xd = _quantized(x).double()
+    expected, scale = xd @ coarse.T, xd.abs() @ coarse.abs().T
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    run = _bind(native_library._lib.q8_coarse_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
+    outputs = {}
+    for isa in native_library.supported:
+        y = torch.empty(m, 1000)
+        assert run(x.data_ptr(), 640, m, 640, packed.pruning.coarse.data_ptr(), 1000, y.data_ptr(), 1000,
+                   ISAS.index(isa), 2) == 0
+        assert ((y.double() - expected).abs() <= 1e-5 * scale + 1e-30).all(), isa
+        outputs[isa] = y
+    assert all(torch.equal(y, outputs["portable"]) for y in outputs.values())
 
 
 def test_rows_the_bounds_cannot_settle_run_the_exact_matmul(native_library):

@@ -115,7 +115,7 @@ class LinearBuilder:
 
     def head(self, name: str) -> Linear:
         """The LM head: a Linear whose q8 copy finds greedy tokens on pruning copies of itself where
-        that pays (Q8Library.prunes_argmax: on AVX2; 2.2x its bytes more)."""
+        that pays (Q8Library.prunes_argmax: on AVX2; 2.3x its bytes more)."""
         head = self(name)
         if head.native is not None and self.q8.prunes_argmax:
             self.q8.add_pruning(head.native, self.arena)

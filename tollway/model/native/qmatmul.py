@@ -63,6 +63,7 @@ class Q8Library:
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
                          for kind in KINDS}  # (matmul, argmax) per weight format
         self._pack_pruning = _bind(lib.q8_pack_pruning, i32, p, i64, i64, p, p, p)
+        self._coarse_bytes = _bind(lib.q8_coarse_bytes, i64, i64, i64)
         self._column_bytes = _bind(lib.q8_column_bytes, i64, i64)
         self._reach_floats = _bind(lib.q8_reach_floats, i64, i64, i64)
         self._argmax_pruned = _bind(lib.q8_matmul_argmax_pruned, i64, p, i64, i64, i64, p, p, p, p, i64, p, i32, i32)
@@ -167,13 +168,13 @@ class Q8Library:
 
     def add_pruning(self, weight: PackedWeight, arena: HugePageArena | None = None) -> bool:
         """Gives q8 `weight` the copies its argmax prunes on at PRUNED_ARGMAX_ROWS rows or more
-        (qmatmul_pruned_argmax.h): its values rounded to q / 8 in the same tiles, a bound per
-        column and block, and its exact values laid out by column; 2.2x the packing's bytes.
+        (qmatmul_pruned_argmax.h): its values rounded to q / 8 in tiles of their own, a bound per
+        column and block, and its exact values laid out by column; 2.3x the packing's bytes.
         False, and nothing added, for another kind or scales past fp16's range once times 8."""
         if weight.kind != "q8":
             return False
         n, k = weight.out_features, weight.in_features
-        coarse = _empty(self._packed_bytes(n, k), arena)
+        coarse = _empty(self._coarse_bytes(n, k), arena)
         reach = torch.empty(self._reach_floats(n, k))
         columns = _empty(n * self._column_bytes(k), arena)
         if self._pack_pruning(weight.data.data_ptr(), n, k, coarse.data_ptr(), reach.data_ptr(), columns.data_ptr()):
