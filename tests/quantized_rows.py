@@ -13,12 +13,12 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_path_against_model(native_library, isa: str, kind: str, x: torch.Tensor, w: torch.Tensor,
-                             model: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """w packed as `kind` and run on `isa` gives the model's (product, size of its terms) within
-    float32's rounding of each term."""
+                             model: tuple[torch.Tensor, torch.Tensor], **packing) -> None:
+    """w packed as `kind` (with `packing`'s arguments) and run on `isa` gives the model's (product,
+    size of its terms) within float32's rounding of each term."""
     if isa not in native_library.supported:
         pytest.skip(f"this CPU does not run {isa}")
-    packed = getattr(native_library, f"pack_{kind}")(w)
+    packed = getattr(native_library, f"pack_{kind}")(w, **packing)
     assert packed is not None and packed.kind == kind
     y = packed(x, isa)
     ref, size = model

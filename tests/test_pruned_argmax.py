@@ -100,7 +100,7 @@ def test_the_coarse_kernels_compute_the_coarse_copy(native_library, m):
     xd = _quantized(x).double()
     expected, scale = xd @ coarse.T, xd.abs() @ coarse.abs().T
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    run = _bind(native_library._lib.q8_coarse_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
+    run = _bind(native_library._lib.signed_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32)
     outputs = {}
     for isa in native_library.supported:
         y = torch.empty(m, 1000)

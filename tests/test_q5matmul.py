@@ -1,8 +1,9 @@
 """The native q5 matmul: weights that are exactly 5-bit per block of 32 (w = d * (q - 16) with an
 fp16 d, as a GGUF's Q5_0 dequantizes) on every instruction-set path against an exact float64
 model, the same bits from every path and from q8 where q8 packs the blocks exactly, a row's bits
-independent of the rows beside it (a call of many rows runs on the packing's q8 copy), the
-repacking lossless, and everything else left to the other formats."""
+independent of the rows beside it (a call of many rows runs on the packing's copy, in q8's layout
+or in signed tiles, each tested on every path), the repacking lossless, and everything else left
+to the other formats."""
 from __future__ import annotations
 
 import shutil
@@ -14,14 +15,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from tollway.model.layers import Linear
-from tollway.model.native.qmatmul import ISAS
+from tollway.model.native.qmatmul import ISAS, Q5_COPIES
 
 from quantized_rows import check_fused_argmax, check_path_against_model, quantized_rows
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 # (M, K, N): K = 640 is not a multiple of 256 and 2048 is; N past a multiple of 16 leaves a partial
-# tile; M of 1 to 4 runs on the q5 tiles, more on their q8 copy.
+# tile; M of 1 to 4 runs on the q5 tiles, more on their copy.
 SHAPES = [(1, 640, 17), (2, 2048, 40), (4, 640, 300), (5, 640, 300), (17, 2048, 640), (64, 640, 300), (9, 32, 16),
           (3, 96, 33)]
 
@@ -59,11 +60,12 @@ def _model(x: torch.Tensor, q, d) -> tuple[torch.Tensor, torch.Tensor]:
     return (sums * xs.unsqueeze(1)).sum(-1), (sums.abs() * xs.unsqueeze(1)).sum(-1)
 
 
+@pytest.mark.parametrize("copy", Q5_COPIES)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_every_path_matches_the_float64_model(native_library, isa, m, k, n):
+def test_every_path_matches_the_float64_model(native_library, copy, isa, m, k, n):
     x, w, parts = _inputs(m, k, n)
-    check_path_against_model(native_library, isa, "q5", x, w, _model(x, *parts))
+    check_path_against_model(native_library, isa, "q5", x, w, _model(x, *parts), copy=copy)
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -71,18 +73,19 @@ def test_all_paths_give_the_same_bits_as_each_other_and_as_q8(native_library, m,
     """Each block holds a q of 0, so q8 packs it exactly (d's magnitude, values q - 16 or their
     negation): the same integer sums and scales, so the same bits."""
     x, w, _ = _inputs(m, k, n, seed=1)
-    packed = native_library.pack_q5(w)
-    results = {isa: packed(x, isa) for isa in native_library.supported}
+    results = {(copy, isa): native_library.pack_q5(w, copy=copy)(x, isa)
+               for copy in Q5_COPIES for isa in native_library.supported}
     q8 = native_library.pack(w)
-    for isa, y in results.items():
-        assert torch.equal(y, results["portable"]), isa
-        assert torch.equal(y, q8(x, isa)), isa
+    for (copy, isa), y in results.items():
+        assert torch.equal(y, results["q8", "portable"]), (copy, isa)
+        assert torch.equal(y, q8(x, isa)), (copy, isa)
 
 
-def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_library):
-    """One row runs on the q5 tiles, 64 on their q8 copy: the same bits either way."""
+@pytest.mark.parametrize("copy", Q5_COPIES)
+def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_library, copy):
+    """One row runs on the q5 tiles, 64 on their copy: the same bits either way."""
     x, w, _ = _inputs(64, 640, 1000, seed=2)
-    packed = native_library.pack_q5(w)
+    packed = native_library.pack_q5(w, copy=copy)
     batch = packed(x)
     for isa in native_library.supported:
         for i in (0, 5, 63):
@@ -98,12 +101,15 @@ def test_a_row_is_the_same_alone_in_a_batch_and_with_any_thread_count(native_lib
         torch.set_num_threads(threads)
 
 
-def test_a_call_of_few_rows_reads_the_5_bit_tiles_and_of_many_the_q8_copy(native_library):
+def test_a_call_of_few_rows_reads_the_5_bit_tiles_and_of_many_the_copy(native_library):
     _, w, _ = _inputs(1, 640, 1024, seed=3)
-    packed, q8 = native_library.pack_q5(w), native_library.pack(w)
-    assert packed.streamed_bytes(1) == 1024 * 640 * 22 // 32  # Q5_0's own 5.5 bits a weight
-    assert packed.streamed_bytes(64) == q8.streamed_bytes(64) == q8.data.numel()
-    assert packed.data.numel() == packed.streamed_bytes(1) + q8.data.numel()
+    q8 = native_library.pack(w)
+    signed_bytes = 1024 * 640 // 32 * (32 + 4 + 2)  # a byte a value, an int32 offset and an fp16 scale a block
+    for copy, copy_bytes in (("q8", q8.data.numel()), ("signed", signed_bytes)):
+        packed = native_library.pack_q5(w, copy=copy)
+        assert packed.streamed_bytes(1) == 1024 * 640 * 22 // 32  # Q5_0's own 5.5 bits a weight
+        assert packed.streamed_bytes(64) == copy_bytes, copy
+        assert packed.data.numel() == packed.streamed_bytes(1) + 64 + copy_bytes, copy  # and the copy's layout byte
 
 
 def _q5_0_blocks(rows: int, k: int, seed: int) -> np.ndarray:
@@ -122,7 +128,7 @@ def test_q5_0_weights_repack_losslessly(native_library):
     assert (d < 0).any() and (d > 0).any()
     x = torch.randn(5, 512)
     ref, size = _model(x, q, d)
-    for m in (1, 5):  # the q5 tiles and the q8 copy
+    for m in (1, 5):  # the q5 tiles and the copy
         assert ((native_library.pack_q5(w)(x[:m]).double() - ref[:m]).abs() <= 1e-6 * size[:m] + 1e-30).all()
 
 
@@ -155,9 +161,10 @@ def test_weights_that_are_not_5bit_stay_on_q8(native_library):
         native_library.pack_q5(w[:, :40])
 
 
+@pytest.mark.parametrize("copy", Q5_COPIES)
 @pytest.mark.parametrize("m", [1, 4, 17])
-def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(native_library, m):
+def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(native_library, m, copy):
     x, w, _ = _inputs(m, 640, 5000, seed=6)
     w[4000] = w[17] = w[4999] = w[3000]  # identical rows give tied outputs
     x[0] = w[3000] * 10
-    check_fused_argmax(native_library, native_library.pack_q5(w), x)
+    check_fused_argmax(native_library, native_library.pack_q5(w, copy=copy), x)

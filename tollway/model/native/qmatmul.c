@@ -98,17 +98,39 @@ int64_t q4_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q
 
 static int64_t q5_tile_bytes(int64_t k) { return (k / QBLOCK) * Q5_BLOCK_BYTES; }
 
-/* The q5 tiles, then the q8 packing of the same weights. */
-int64_t q5_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5_tile_bytes(k) + q8_packed_bytes(n, k); }
+/* Signed tiles hold values within +-SMALL_VALUES as signed bytes in q8's order, a block being its
+   [8][16][4] values, the 16 columns' -128 x their sum of values (int32), then their 16 fp16 scales:
+
+    tile t: [nb] x ([8][16][4] s8 values, [16] int32 offsets, [16] fp16 scales)
+
+Their kernels take the activations as u8, xq + 128 (up to 255), against the signed values: a
+vpmaddubsw pair is at most 2 * 255 * 16, and four groups' pairs sum in int16 (8160 * 4 < 32767);
+the offset takes the +128 back out, so isum_b is the exact dot(q, xq) and every output the same
+float sum as q8's. On AVX2 they run with fewer instructions than q8's small-value kernel (no vpsubb
+per weight load, no offset per row): where AVX2 is the best a CPU has, q5's copy for many rows and
+the LM head's coarse copy (qmatmul_pruned_argmax.h) take this layout. */
+#define SIGNED_BLOCK_BYTES (BLOCK_BYTES + TILE * 4 + TILE * 2)
+static int64_t signed_tile_bytes(int64_t k) { return k / QBLOCK * SIGNED_BLOCK_BYTES; }
+int64_t signed_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * signed_tile_bytes(k); }
+
+/* The q5 tiles, a 64-byte slot whose first byte says the copy's layout, then the copy of the same
+   weights for many rows: q8's packing, or signed tiles (copy = Q5_COPY_SIGNED). */
+enum { Q5_COPY_Q8, Q5_COPY_SIGNED };
+#define Q5_COPY_SLOT 64
+static int64_t q5_copy_at(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5_tile_bytes(k) + Q5_COPY_SLOT; }
+int64_t q5_packed_bytes(int64_t n, int64_t k, int copy) {
+    return q5_copy_at(n, k) + (copy == Q5_COPY_SIGNED ? signed_packed_bytes(n, k) : q8_packed_bytes(n, k));
+}
 
 /* The most rows a call runs on q5's tiles, past which it runs on their q8 copy. Measured on 18
    layers' 4096 x 640 Q5_0 weights (Zen 4; q8 time over q5): AVX-512 1.56 at 1 row, 1.11 at 4, 0.97
    at 8; AVX2 1.23 at 1 row, 1.05 at 2, 0.95 at 4. */
 static int64_t q5_rows(int isa) { return isa == ISA_AVX512VNNI ? 4 : 2; }
 
-/* What a call of m rows reads of a q5 packing: its q5 tiles, or its q8 copy. */
-int64_t q5_streamed_bytes(int64_t m, int64_t n, int64_t k, int isa) {
-    return m > q5_rows(isa) ? q8_packed_bytes(n, k) : (n + TILE - 1) / TILE * q5_tile_bytes(k);
+/* What a call of m rows reads of a q5 packing: its q5 tiles, or its copy. */
+int64_t q5_streamed_bytes(const uint8_t *packed, int64_t m, int64_t n, int64_t k, int isa) {
+    if (m <= q5_rows(isa)) return (n + TILE - 1) / TILE * q5_tile_bytes(k);
+    return q5_packed_bytes(n, k, packed[q5_copy_at(n, k) - Q5_COPY_SLOT]) - q5_copy_at(n, k);
 }
 
 /* ---- fp16 <-> fp32, portable and exact (the SIMD paths convert scales with F16C) ---- */
@@ -437,19 +459,37 @@ int q5_fit(const float *w, int64_t n, int64_t k, uint8_t *q, uint16_t *d) {
     return 0;
 }
 
-/* q: [n, k] values 0..31, d: [n, k / 32] fp16 bits; out: q5_packed_bytes(n, k) bytes. */
-void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out) {
+/* One value of a q5 packing's copy: `value` (q - 16) of column lane, block b, at i. */
+static void put_copy_value(uint8_t *tile, int copy, int64_t b, int lane, int i, int value) {
+    int64_t at = (i / 4) * TILE * 4 + lane * 4 + i % 4;
+    if (copy == Q5_COPY_SIGNED) {
+        uint8_t *block = tile + b * SIGNED_BLOCK_BYTES;
+        block[at] = (uint8_t)(int8_t)value;
+        ((int32_t *)(block + BLOCK_BYTES))[lane] -= 128 * value;
+    } else {
+        tile[b * BLOCK_BYTES + at] = (uint8_t)(value + 128);
+    }
+}
+
+/* q: [n, k] values 0..31, d: [n, k / 32] fp16 bits; out: q5_packed_bytes(n, k, copy) bytes. */
+void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out, int copy) {
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
-    uint8_t *q8 = out + tiles * q5_tile_bytes(k), *largest = q8 + tiles * q8_tile_bytes(k);
-    memset(out, 0, (size_t)q5_packed_bytes(n, k));  /* padding rows: zero scales */
+    int64_t copy_tile = copy == Q5_COPY_SIGNED ? signed_tile_bytes(k) : q8_tile_bytes(k);
+    uint8_t *copied = out + q5_copy_at(n, k), *largest = copied + tiles * q8_tile_bytes(k);
+    memset(out, 0, (size_t)q5_packed_bytes(n, k, copy));  /* padding rows: zero scales */
+    copied[-Q5_COPY_SLOT] = (uint8_t)copy;
     for (int64_t t = 0; t < tiles; t++) {
-        uint8_t *q8_tile = q8 + t * q8_tile_bytes(k);
-        uint16_t *q8_scales = (uint16_t *)(q8_tile + nb * BLOCK_BYTES);
-        memset(q8_tile, 128, (size_t)(nb * BLOCK_BYTES));  /* value 0 */
-        largest[t] = 0;
+        uint8_t *tile = copied + t * copy_tile;
+        if (copy == Q5_COPY_Q8) {
+            memset(tile, 128, (size_t)(nb * BLOCK_BYTES));  /* value 0 */
+            largest[t] = 0;
+        }
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *block = out + (t * nb + b) * Q5_BLOCK_BYTES, *high = block + Q4_NIBBLES;
             uint16_t *scales = (uint16_t *)(high + Q5_HIGH);
+            uint16_t *copy_scales = copy == Q5_COPY_SIGNED
+                                        ? (uint16_t *)(tile + b * SIGNED_BLOCK_BYTES + BLOCK_BYTES + TILE * 4)
+                                        : (uint16_t *)(tile + nb * BLOCK_BYTES) + b * TILE;
             for (int r = 0; r < TILE && t * TILE + r < n; r++) {
                 int64_t row = t * TILE + r;
                 const uint8_t *src = q + row * k + b * QBLOCK;
@@ -458,10 +498,10 @@ void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t 
                 for (int i = 0; i < QBLOCK; i++) {  /* value i is byte r * 4 + i % 4 of group i / 4 */
                     high[r * 4 + i % 4] |= (uint8_t)((src[i] >> 4) << (i / 4));
                     int value = src[i] - Q5_OFFSET;
-                    q8_tile[b * BLOCK_BYTES + (i / 4) * TILE * 4 + r * 4 + i % 4] = (uint8_t)(value + 128);
-                    largest[t] = abs(value) > largest[t] ? (uint8_t)abs(value) : largest[t];
+                    put_copy_value(tile, copy, b, r, i, value);
+                    if (copy == Q5_COPY_Q8) largest[t] = abs(value) > largest[t] ? (uint8_t)abs(value) : largest[t];
                 }
-                scales[r] = q8_scales[b * TILE + r] = d[row * nb + b];
+                scales[r] = copy_scales[r] = d[row * nb + b];
             }
         }
     }
@@ -709,6 +749,28 @@ static void q5_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, 
     }
 }
 
+/* The signed tiles' kernels take xq as the activations in u8 (xq + 128), and no xo. */
+static void signed_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                                 int rows, float *out, const char *ahead, int64_t ahead_step) {
+    const uint8_t *xu = (const uint8_t *)xq;
+    (void)xo, (void)ahead, (void)ahead_step;
+    for (int r = 0; r < rows; r++) {
+        for (int lane = 0; lane < TILE; lane++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *w = tile + b * SIGNED_BLOCK_BYTES;
+                int32_t isum;
+                uint16_t half;
+                memcpy(&isum, w + BLOCK_BYTES + lane * 4, 4);
+                memcpy(&half, w + BLOCK_BYTES + TILE * 4 + lane * 2, 2);
+                for (int i = 0; i < QBLOCK; i++) isum += (int8_t)w[(i / 4) * TILE * 4 + lane * 4 + i % 4] * xu[XQ(b, r) + i];
+                acc = fmaf((float)isum, half_to_float(half) * xs[XS(b, r)], acc);
+            }
+            out[r * TILE + lane] = acc;
+        }
+    }
+}
+
 #if defined(__x86_64__)
 
 static inline int32_t group_of(const int8_t *p) {
@@ -873,6 +935,69 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
     for (int half = 0; half < 2; half++)
         for (int r0 = 0; r0 < rows; r0 += 4)
             ROWS4_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
+}
+
+/* Signed tiles on AVX2 (for every x86 path: only where AVX2 is the best are weights packed so):
+   both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw,
+   for up to 3 rows (3 x 2 int16 sums, int32 sums and float outputs: all 16 registers). From L2 on
+   a Zen 3 core, 112 GMAC/s where q8's small-value kernel ran 96 on the same values (the same
+   kernel for both halves on the q8 layout: 104). */
+#define ROWS3_SWITCH(body, n, ...)       \
+    switch (n) {                         \
+        case 1: body(__VA_ARGS__, 1); break; \
+        case 2: body(__VA_ARGS__, 2); break; \
+        default: body(__VA_ARGS__, 3); break; \
+    }
+
+__attribute__((target("avx2,fma,f16c")))
+static inline __attribute__((always_inline)) void signed_avx2_rows(const uint8_t *tile, int64_t nb, const uint8_t *xu,
+                                                                    const float *xs, int r0, float *out,
+                                                                    const char *ahead, int64_t ahead_step, const int n) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[3][2];
+    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * SIGNED_BLOCK_BYTES;
+        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        __m256i isum[3][2];
+        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {
+            __m256i sum16[3][2];
+            UNROLLED for (int g = g0; g < g0 + 4; g++) {
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
+                UNROLLED for (int r = 0; r < n; r++) {
+                    __m256i x = _mm256_set1_epi32(group_of((const int8_t *)xu + XQ(b, r0 + r) + g * 4));
+                    __m256i p0 = _mm256_maddubs_epi16(x, w0), p1 = _mm256_maddubs_epi16(x, w1);
+                    sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
+                    sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
+                    KEEP_IN_REGISTER(sum16[r][0]);
+                    KEEP_IN_REGISTER(sum16[r][1]);
+                }
+            }
+            UNROLLED for (int r = 0; r < n; r++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i start = g0 ? isum[r][h] : _mm256_loadu_si256((const __m256i *)(w + BLOCK_BYTES + h * 32));
+                    isum[r][h] = _mm256_add_epi32(start, _mm256_madd_epi16(sum16[r][h], ones));
+                }
+        }
+        UNROLLED for (int h = 0; h < 2; h++) {
+            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + BLOCK_BYTES + TILE * 4 + h * 16)));
+            UNROLLED for (int r = 0; r < n; r++) {
+                __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), s, acc[r][h]);
+            }
+        }
+    }
+    UNROLLED for (int r = 0; r < n; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void signed_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                             int rows, float *out, const char *ahead, int64_t ahead_step) {
+    (void)xo;
+    for (int r0 = 0; r0 < rows; r0 += 3)
+        ROWS3_SWITCH(signed_avx2_rows, rows - r0, tile, nb, (const uint8_t *)xq, xs, r0, out, ahead, ahead_step)
 }
 
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
@@ -1049,12 +1174,14 @@ int q8_isa_supported(int isa) {
 #endif
 }
 
-/* A weight format: its tile size, its kernel per instruction set, and the kernel for tiles of
-   small values (NULL: none), which finds each tile's largest |value| after the last tile. */
+/* A weight format: its tile size, its kernel per instruction set, the kernel for tiles of small
+   values (NULL: none), which finds each tile's largest |value| after the last tile, and whether
+   its kernels take the activations as u8 (signed tiles). */
 typedef struct {
     int64_t (*tile_bytes)(int64_t k);
     tile_kernel (*kernel_for)(int isa);
     tile_kernel (*small_kernel_for)(int isa);
+    int unsigned_activations;
 } format;
 
 static tile_kernel q8_kernel_for(int isa) {
@@ -1104,9 +1231,18 @@ static tile_kernel no_small_kernel(int isa) {
 /* Whether `isa` has a faster kernel for small values: where a pruned argmax pays. */
 int q8_has_small_kernel(int isa) { return q8_small_kernel_for(isa) != NULL; }
 
-static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for},
-                    Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel},
-                    Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel};
+static tile_kernel signed_kernel_for(int isa) {
+#if defined(__x86_64__)
+    if (isa != ISA_PORTABLE) return signed_tile_avx2;
+#endif
+    (void)isa;
+    return signed_tile_portable;
+}
+
+static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for, 0},
+                    Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel, 0},
+                    Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel, 0},
+                    SIGNED = {signed_tile_bytes, signed_kernel_for, no_small_kernel, 1};
 
 /* ---- the matmul ---- */
 
@@ -1233,8 +1369,10 @@ static int64_t padded_rows(int64_t m) { return (m + MAX_ROWS - 1) / MAX_ROWS * M
 /* The threads a call asks for, within what the pool runs. */
 static int clamped_threads(int threads) { return threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads; }
 
-/* Bytes of a call's quantized activations. */
-static size_t quantized_bytes(int64_t m, int64_t k) { return (size_t)(padded_rows(m) * (k / QBLOCK * 8 + k)); }
+/* Bytes of a call's quantized activations, and room for them in u8 after them where `f` takes that. */
+static size_t quantized_bytes(const format *f, int64_t m, int64_t k) {
+    return (size_t)(padded_rows(m) * (k / QBLOCK * 8 + k + (f->unsigned_activations ? k : 0)));
+}
 
 /* The quantized activations at `at`: xs and xo, [padded rows][nb] each, then xq. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, void *at, int8_t **xq, float **xs,
@@ -1250,6 +1388,13 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, voi
         quantize_part(&q, 0, 1);
 }
 
+/* The activations as u8, xq + 128, written after quantize_rows' xq. */
+static const int8_t *unsigned_activations(const int8_t *xq, int64_t m, int64_t k) {
+    uint8_t *xu = (uint8_t *)xq + padded_rows(m) * k;
+    for (int64_t i = 0; i < padded_rows(m) * k; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
+    return (const int8_t *)xu;
+}
+
 static int64_t row_chunk_for(int64_t k) {
     int64_t row_chunk = ROW_CHUNK_BYTES / k;
     return row_chunk < MAX_ROWS ? MAX_ROWS : row_chunk / MAX_ROWS * MAX_ROWS;
@@ -1262,7 +1407,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, ranges = ranges_for(f, m, k, tiles, threads);
     size_t maxima = y ? 0 : (size_t)(ranges * m * TILE * 8);
     pthread_mutex_lock(&scratch_lock);
-    float *best = scratch_reserve(maxima + quantized_bytes(m, k));  /* 4-byte items first, then bytes */
+    float *best = scratch_reserve(maxima + quantized_bytes(f, m, k));  /* 4-byte items first, then bytes */
     if (!best) {
         pthread_mutex_unlock(&scratch_lock);
         return -1;
@@ -1274,7 +1419,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     quantize_rows(x, ldx, m, k, best_col + (y ? 0 : ranges * m * TILE), &xq, &xs, &xo, isa, threads);
     int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {f->kernel_for(isa), f->small_kernel_for(isa), packed + tiles * f->tile_bytes(k), f->tile_bytes(k),
-                    xq, xs, xo, m, k, n, nb, row_chunk, ranges,
+                    f->unsigned_activations ? unsigned_activations(xq, m, k) : xq, xs, xo, m, k, n, nb, row_chunk, ranges,
                     (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col, NULL};
     run_parallel(threads, matmul_part, &j);
     for (int64_t r = 0; r < m && !y; r++) {  /* the largest over ranges and lanes; a tie keeps the first column */
@@ -1304,11 +1449,16 @@ int q4_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *
     return run_matmul(&Q4, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
 }
 
-/* The same for W packed by q5_pack: of more than q5_rows(isa) rows, on its q8 copy. */
+/* The format of a q5 packing's copy. */
+static const format *q5_copy_format(const uint8_t *packed, int64_t n, int64_t k) {
+    return packed[q5_copy_at(n, k) - Q5_COPY_SLOT] == Q5_COPY_SIGNED ? &SIGNED : &Q8;
+}
+
+/* The same for W packed by q5_pack: of more than q5_rows(isa) rows, on its copy. */
 int q5_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
               int64_t ldy, int isa, int threads) {
     if (m > q5_rows(isa))
-        return run_matmul(&Q8, x, ldx, m, k, packed + (n + TILE - 1) / TILE * q5_tile_bytes(k), n, y, ldy, NULL, isa,
+        return run_matmul(q5_copy_format(packed, n, k), x, ldx, m, k, packed + q5_copy_at(n, k), n, y, ldy, NULL, isa,
                           threads);
     return run_matmul(&Q5, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
 }
@@ -1328,9 +1478,15 @@ int q4_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const ui
 int q5_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
                      int64_t *argmax, int isa, int threads) {
     if (m > q5_rows(isa))
-        return run_matmul(&Q8, x, ldx, m, k, packed + (n + TILE - 1) / TILE * q5_tile_bytes(k), n, NULL, 0, argmax,
+        return run_matmul(q5_copy_format(packed, n, k), x, ldx, m, k, packed + q5_copy_at(n, k), n, NULL, 0, argmax,
                           isa, threads);
     return run_matmul(&Q5, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+}
+
+/* The same for W packed in signed tiles (signed_packed_bytes(n, k) bytes). */
+int signed_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+                  int64_t ldy, int isa, int threads) {
+    return run_matmul(&SIGNED, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
 }
 
 #include "qmatmul_pruned_argmax.h"

@@ -34,6 +34,7 @@ _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno"
           "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
 KINDS = ("q8", "q4", "q5")  # the weight formats
+Q5_COPIES = ("q8", "signed")  # the layouts of q5's copy, in the order of qmatmul.c's Q5_COPY_*
 BLOCK = 32  # K values per scale
 # The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
 # bound by reading its weights, which the pruned one reads more of.
@@ -55,15 +56,15 @@ class Q8Library:
         self._q4_packed_bytes = _bind(lib.q4_packed_bytes, i64, i64, i64)
         self._q4_fit = _bind(lib.q4_fit, i32, p, i64, i64, p, p, p)
         self._q4_pack = _bind(lib.q4_pack, None, p, p, p, i64, i64, p)
-        self._q5_packed_bytes = _bind(lib.q5_packed_bytes, i64, i64, i64)
+        self._q5_packed_bytes = _bind(lib.q5_packed_bytes, i64, i64, i64, i32)
         self._q5_fit = _bind(lib.q5_fit, i32, p, i64, i64, p, p)
-        self._q5_pack = _bind(lib.q5_pack, None, p, p, i64, i64, p)
-        self._q5_streamed_bytes = _bind(lib.q5_streamed_bytes, i64, i64, i64, i64, i32)
+        self._q5_pack = _bind(lib.q5_pack, None, p, p, i64, i64, p, i32)
+        self._q5_streamed_bytes = _bind(lib.q5_streamed_bytes, i64, p, i64, i64, i64, i32)
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
                          for kind in KINDS}  # (matmul, argmax) per weight format
         self._pack_pruning = _bind(lib.q8_pack_pruning, i32, p, i64, i64, p, p, p)
-        self._coarse_bytes = _bind(lib.q8_coarse_bytes, i64, i64, i64)
+        self._signed_bytes = _bind(lib.signed_packed_bytes, i64, i64, i64)
         self._column_bytes = _bind(lib.q8_column_bytes, i64, i64)
         self._reach_floats = _bind(lib.q8_reach_floats, i64, i64, i64)
         self._argmax_pruned = _bind(lib.q8_matmul_argmax_pruned, i64, p, i64, i64, i64, p, p, p, p, i64, p, i32, i32)
@@ -79,6 +80,9 @@ class Q8Library:
         # Whether an LM head's argmax pays for pruning on a coarse copy here: where the coarse
         # values run a faster kernel than full-range int8 (AVX2's small-value one).
         self.prunes_argmax = bool(_bind(lib.q8_has_small_kernel, i32, i32)(ISAS.index(self.isa)))
+        # The layout of q5's copy for many rows: signed tiles where AVX2 runs them (as it does the
+        # coarse copy) faster than q8's layout, which the VNNI paths run best.
+        self.q5_copy = "signed" if self.prunes_argmax else "q8"
 
     def resolve(self, isa: str | None) -> str:
         """`isa` when this CPU runs it, the best it runs when None."""
@@ -138,12 +142,13 @@ class Q8Library:
         self._q4_pack(q.data_ptr(), scale.data_ptr(), min.data_ptr(), n, k, data.data_ptr())
         return PackedWeight(self, "q4", data, n, k)
 
-    def pack_q5(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight | None:
+    def pack_q5(self, weight: torch.Tensor, arena: HugePageArena | None = None,
+                copy: str | None = None) -> PackedWeight | None:
         """weight: [N, K] as q5 when every block of 32 is exactly d * (q - 16) with an fp16 d and q in
         0..31 (see fit_q5), else None: q5 never changes a weight. ValueError when K is not a
-        multiple of 32."""
+        multiple of 32. `copy`: as pack_q5_blocks."""
         parts = self.fit_q5(weight)
-        return self.pack_q5_blocks(*parts, arena=arena) if parts is not None else None
+        return self.pack_q5_blocks(*parts, arena=arena, copy=copy) if parts is not None else None
 
     def fit_q5(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q, d) with float32(d * (q - 16)) == weight, q [N, K] uint8 in 0..31 and d [N, K / 32] float16,
@@ -157,13 +162,16 @@ class Q8Library:
             return None
         return q, d
 
-    def pack_q5_blocks(self, q: torch.Tensor, d: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
+    def pack_q5_blocks(self, q: torch.Tensor, d: torch.Tensor, arena: HugePageArena | None = None,
+                       copy: str | None = None) -> PackedWeight:
         """q5 from its parts, w = d * (q - 16): q [N, K] uint8 in 0..31, d [N, K / 32] float16. The packing
-        carries a q8 copy for calls of more than a few rows (see qmatmul.c)."""
+        carries a copy for calls of more than a few rows (see qmatmul.c), in q8's layout or in signed
+        tiles (`copy`, self.q5_copy when None); every path runs either, to the same bits."""
         n, k = q.shape
         q, d = q.contiguous(), d.to(torch.float16).contiguous()
-        data = _empty(self._q5_packed_bytes(n, k), arena)
-        self._q5_pack(q.data_ptr(), d.data_ptr(), n, k, data.data_ptr())
+        layout = Q5_COPIES.index(copy or self.q5_copy)
+        data = _empty(self._q5_packed_bytes(n, k, layout), arena)
+        self._q5_pack(q.data_ptr(), d.data_ptr(), n, k, data.data_ptr(), layout)
         return PackedWeight(self, "q5", data, n, k)
 
     def add_pruning(self, weight: PackedWeight, arena: HugePageArena | None = None) -> bool:
@@ -174,7 +182,7 @@ class Q8Library:
         if weight.kind != "q8":
             return False
         n, k = weight.out_features, weight.in_features
-        coarse = _empty(self._coarse_bytes(n, k), arena)
+        coarse = _empty(self._signed_bytes(n, k), arena)
         reach = torch.empty(self._reach_floats(n, k))
         columns = _empty(n * self._column_bytes(k), arena)
         if self._pack_pruning(weight.data.data_ptr(), n, k, coarse.data_ptr(), reach.data_ptr(), columns.data_ptr()):
@@ -222,9 +230,10 @@ class Q8Library:
 
     def streamed_bytes(self, weight: PackedWeight, rows: int, isa: str | None = None) -> int:
         """What a call of `rows` rows reads of `weight`'s packing: all of it, but for q5, its q5 tiles
-        or its q8 copy."""
+        or its copy."""
         if weight.kind == "q5":
-            return self._q5_streamed_bytes(rows, weight.out_features, weight.in_features, self._isa_index(isa))
+            return self._q5_streamed_bytes(weight.data.data_ptr(), rows, weight.out_features, weight.in_features,
+                                           self._isa_index(isa))
         return weight.data.numel()
 
     def _isa_index(self, isa: str | None) -> int:

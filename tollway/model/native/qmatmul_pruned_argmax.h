@@ -2,8 +2,8 @@
 
 At many rows the head is bound by its multiply instructions, and on AVX2 a full-range int8 value
 costs a vpsignb beside every vpmaddubsw. The coarse copy holds each value q rounded to
-q / COARSE_STEP, within +-SMALL_VALUES, with its scale times COARSE_STEP, in a layout of its own
-(below) that AVX2 runs with fewer instructions than its small-value kernel. For each column and block
+q / COARSE_STEP, within +-SMALL_VALUES, with its scale times COARSE_STEP, in signed tiles, which
+AVX2 runs with fewer instructions than its small-value kernel. For each column and block
 a reach bounds how far a coarse output can lie from the exact one per unit of the activation block's
 scale times its sum of |values| (xa): the block's largest |d q - d' q'|, plus the float rounding of
 both outputs' sums (at most nb + 1 roundings of 2^-24 of sum |isum_b| d_b xs_b each, with |q| <= 127
@@ -24,15 +24,6 @@ whose list held only equal bounds, runs the exact matmul, all such rows of a cal
 #define CANDIDATES 4096 /* per row and range; a full list drops the columns the floor has since passed */
 _Static_assert(127 / COARSE_STEP + 1 <= SMALL_VALUES, "coarse values are small values");
 
-/* A coarse tile: for each block, its values signed in q8's order ([8][16][4]: a group's 4 values
-   of 16 columns), the 16 columns' -128 x their sum of values (int32), then their 16 fp16 scales.
-   The kernels take the activations as u8, xq + 128 (up to 255), against signed values of at most
-   SMALL_VALUES: a vpmaddubsw pair is at most 2 * 255 * 16, and four groups' pairs sum in int16
-   (8160 * 4 < 32767); the int32 term takes the +128 back out, so isum_b is the exact dot(q', xq). */
-#define COARSE_BLOCK_BYTES (BLOCK_BYTES + TILE * 4 + TILE * 2)
-static int64_t coarse_tile_bytes(int64_t k) { return k / QBLOCK * COARSE_BLOCK_BYTES; }
-int64_t q8_coarse_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * coarse_tile_bytes(k); }
-
 /* A column of the by-column copy: its nb x 32 signed values, then its nb fp16 scales, padded to a
    cache line. */
 int64_t q8_column_bytes(int64_t k) { return (k + k / QBLOCK * 2 + 63) / 64 * 64; }
@@ -40,7 +31,7 @@ int64_t q8_column_bytes(int64_t k) { return (k + k / QBLOCK * 2 + 63) / 64 * 64;
 /* Floats of the reach: [tiles][nb][TILE], then [tiles][nb]. */
 int64_t q8_reach_floats(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * (k / QBLOCK) * (TILE + 1); }
 
-/* From a q8 packing of [n, k]: coarse (q8_coarse_bytes(n, k) bytes), reach ([tiles][nb][TILE]
+/* From a q8 packing of [n, k]: coarse (signed tiles, signed_packed_bytes(n, k) bytes), reach ([tiles][nb][TILE]
    floats, then [tiles][nb]: each tile's largest per block) and columns (n x q8_column_bytes(k) bytes).
    Returns -1 when a coarse scale would pass fp16's range. */
 int q8_pack_pruning(const uint8_t *packed, int64_t n, int64_t k, uint8_t *coarse, float *reach, uint8_t *columns) {
@@ -50,7 +41,7 @@ int q8_pack_pruning(const uint8_t *packed, int64_t n, int64_t k, uint8_t *coarse
         const uint8_t *src = packed + t * tb;
         const uint16_t *scales = (const uint16_t *)(src + nb * BLOCK_BYTES);
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *dst = coarse + t * coarse_tile_bytes(k) + b * COARSE_BLOCK_BYTES;
+            uint8_t *dst = coarse + t * signed_tile_bytes(k) + b * SIGNED_BLOCK_BYTES;
             int32_t *offsets = (int32_t *)(dst + BLOCK_BYTES);
             uint16_t *coarse_scales = (uint16_t *)(offsets + TILE);
             for (int lane = 0; lane < TILE; lane++) {
@@ -82,95 +73,6 @@ int q8_pack_pruning(const uint8_t *packed, int64_t n, int64_t k, uint8_t *coarse
     }
     return 0;
 }
-
-/* The coarse tile kernels: matmul_part's tile_kernel, with xq the activations as u8 (xq + 128) and
-   no xo. Every output is the float sum of the q8 kernels, acc = fma((float)isum_b, d'_b * xs_b, acc),
-   which the reach's rounding terms assume. */
-static void coarse_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs,
-                                 const int32_t *xo, int rows, float *out, const char *ahead, int64_t ahead_step) {
-    const uint8_t *xu = (const uint8_t *)xq;
-    (void)xo, (void)ahead, (void)ahead_step;
-    for (int r = 0; r < rows; r++) {
-        for (int lane = 0; lane < TILE; lane++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *w = tile + b * COARSE_BLOCK_BYTES;
-                int32_t isum;
-                uint16_t half;
-                memcpy(&isum, w + BLOCK_BYTES + lane * 4, 4);
-                memcpy(&half, w + BLOCK_BYTES + TILE * 4 + lane * 2, 2);
-                for (int i = 0; i < QBLOCK; i++) isum += (int8_t)w[(i / 4) * TILE * 4 + lane * 4 + i % 4] * xu[XQ(b, r) + i];
-                acc = fmaf((float)isum, half_to_float(half) * xs[XS(b, r)], acc);
-            }
-            out[r * TILE + lane] = acc;
-        }
-    }
-}
-
-#if defined(__x86_64__)
-/* AVX2 (for every x86 path: the coarse pass prunes only where AVX2 runs it faster): both halves of
-   the tile at once, so that each broadcast activation group feeds two vpmaddubsw, for up to 3 rows
-   (3 x 2 int16 sums, int32 sums and float outputs: all 16 registers). On a 2-core Zen 3 the coarse
-   pass ran 1.17x faster than on the small-value kernel, from L2, 112 against 96 GMAC/s a core:
-   no vpsubb per weight load and no offset per row, and half the broadcasts. */
-#define ROWS3_SWITCH(body, n, ...)       \
-    switch (n) {                         \
-        case 1: body(__VA_ARGS__, 1); break; \
-        case 2: body(__VA_ARGS__, 2); break; \
-        default: body(__VA_ARGS__, 3); break; \
-    }
-
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void coarse_avx2_rows(const uint8_t *tile, int64_t nb, const uint8_t *xu,
-                                                                    const float *xs, int r0, float *out,
-                                                                    const char *ahead, int64_t ahead_step, const int n) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[3][2];
-    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * COARSE_BLOCK_BYTES;
-        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
-        __m256i isum[3][2];
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {
-            __m256i sum16[3][2];
-            UNROLLED for (int g = g0; g < g0 + 4; g++) {
-                __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
-                __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
-                UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x = _mm256_set1_epi32(group_of((const int8_t *)xu + XQ(b, r0 + r) + g * 4));
-                    __m256i p0 = _mm256_maddubs_epi16(x, w0), p1 = _mm256_maddubs_epi16(x, w1);
-                    sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                    sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                    KEEP_IN_REGISTER(sum16[r][0]);
-                    KEEP_IN_REGISTER(sum16[r][1]);
-                }
-            }
-            UNROLLED for (int r = 0; r < n; r++)
-                for (int h = 0; h < 2; h++) {
-                    __m256i start = g0 ? isum[r][h] : _mm256_loadu_si256((const __m256i *)(w + BLOCK_BYTES + h * 32));
-                    isum[r][h] = _mm256_add_epi32(start, _mm256_madd_epi16(sum16[r][h], ones));
-                }
-        }
-        UNROLLED for (int h = 0; h < 2; h++) {
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + BLOCK_BYTES + TILE * 4 + h * 16)));
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), s, acc[r][h]);
-            }
-        }
-    }
-    UNROLLED for (int r = 0; r < n; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void coarse_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                             int rows, float *out, const char *ahead, int64_t ahead_step) {
-    (void)xo;
-    for (int r0 = 0; r0 < rows; r0 += 3)
-        ROWS3_SWITCH(coarse_avx2_rows, rows - r0, tile, nb, (const uint8_t *)xq, xs, r0, out, ahead, ahead_step)
-}
-#endif
 
 /* How far each coarse output of a tile can lie from its exact one. Sums over blocks in block order,
    each a multiply and an add (the reach is widened for either rounding), so that a column's reach
@@ -393,22 +295,6 @@ static void rescore_part(void *ctx, int part, int parts) {
     }
 }
 
-static tile_kernel coarse_kernel_for(int isa) {
-#if defined(__x86_64__)
-    if (isa != ISA_PORTABLE) return coarse_tile_avx2;
-#endif
-    (void)isa;
-    return coarse_tile_portable;
-}
-
-/* The coarse kernels' activations, xq + 128 as u8, written after quantize_rows' xq (padded x k
-   bytes more of the scratch). */
-static const int8_t *unsigned_activations(const int8_t *xq, int64_t padded, int64_t k) {
-    uint8_t *xu = (uint8_t *)xq + padded * k;
-    for (int64_t i = 0; i < padded * k; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
-    return (const int8_t *)xu;
-}
-
 /* The exact argmax of the rows left at -1, in one call: how many, or -1 when memory ran out. */
 static int64_t exact_where_unsettled(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed,
                                      int64_t n, int64_t *argmax, int isa, int threads) {
@@ -441,7 +327,7 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     size_t lists = (size_t)(ranges * m) * CANDIDATES * sizeof(candidate);
     size_t floats = (size_t)(3 * ranges * m + m + padded * nb) * 4;
     pthread_mutex_lock(&scratch_lock);
-    candidate *list_data = scratch_reserve(lists + floats + quantized_bytes(m, k) + (size_t)(padded * k));
+    candidate *list_data = scratch_reserve(lists + floats + quantized_bytes(&SIGNED, m, k));
     if (!list_data) {
         pthread_mutex_unlock(&scratch_lock);
         return -1;
@@ -455,7 +341,7 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     float *xs;
     int32_t *xo;
     quantize_rows(x, ldx, m, k, xa + padded * nb, &xq, &xs, &xo, isa, threads);
-    const int8_t *xu = unsigned_activations(xq, padded, k);
+    const int8_t *xu = unsigned_activations(xq, m, k);
     for (int64_t i = 0; i < ranges * m; i++) range_floor[i] = dropped[i] = -INFINITY, counts[i] = 0;
     for (int64_t r = 0; r < m; r++) atomic_init(&floor[r], -INFINITY);
     for (int64_t r = 0; r < padded; r++) {  /* each block's scale times its sum of |values| (0 past the rows) */
@@ -473,7 +359,7 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     if (isa != ISA_PORTABLE) p.passing_rows = passing_rows_avx2;
 #endif
     int64_t row_chunk = row_chunk_for(k);
-    matmul_job j = {coarse_kernel_for(isa), NULL, NULL, coarse_tile_bytes(k), xu, xs, xo, m, k, n, nb,
+    matmul_job j = {signed_kernel_for(isa), NULL, NULL, signed_tile_bytes(k), xu, xs, xo, m, k, n, nb,
                     row_chunk, ranges,
                     (m + row_chunk - 1) / row_chunk * ranges, 0, coarse, NULL, 0, NULL, NULL, &p};
     run_parallel(threads, matmul_part, &j);
@@ -483,28 +369,3 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     return exact_where_unsettled(x, ldx, m, k, packed, n, argmax, isa, threads);
 }
 
-/* y[m, n] (row stride ldy) from the coarse copy alone (q8_pack_pruning), for testing its kernels.
-   Returns 0, or -1 when the instruction set is not supported here or memory ran out. */
-int q8_coarse_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *coarse, int64_t n, float *y,
-                     int64_t ldy, int isa, int threads) {
-    if (isa < 0 || isa >= ISA_COUNT || !q8_isa_supported(isa)) return -1;
-    threads = clamped_threads(threads);
-    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, ranges = ranges_for(&Q8, m, k, tiles, threads);
-    pthread_mutex_lock(&scratch_lock);
-    void *at = scratch_reserve(quantized_bytes(m, k) + (size_t)(padded_rows(m) * k));
-    if (!at) {
-        pthread_mutex_unlock(&scratch_lock);
-        return -1;
-    }
-    int8_t *xq;
-    float *xs;
-    int32_t *xo;
-    quantize_rows(x, ldx, m, k, at, &xq, &xs, &xo, isa, threads);
-    int64_t row_chunk = row_chunk_for(k);
-    matmul_job j = {coarse_kernel_for(isa), NULL, NULL, coarse_tile_bytes(k), unsigned_activations(xq, padded_rows(m), k),
-                    xs, xo, m, k, n, nb, row_chunk, ranges, (m + row_chunk - 1) / row_chunk * ranges, 0, coarse, y, ldy,
-                    NULL, NULL, NULL};
-    run_parallel(threads, matmul_part, &j);
-    pthread_mutex_unlock(&scratch_lock);
-    return 0;
-}
