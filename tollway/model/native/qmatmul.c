@@ -888,60 +888,7 @@ static void q5_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
             ROWS4_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step, 1)
 }
 
-/* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
-0..15, so vpmaddubsw takes it as the u8 operand directly, and a block's 16 products per int16 lane
-stay within 16 * 15 * 128 < 32767: the block sums in int16 (vpaddw, which leaves the multiply
-ports free), and one vpmaddwd a block widens it, 9 multiply instructions per 256 multiply-adds
-where a vpmaddwd per pair of groups took 12. */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void q4_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                                const float *xs, const int32_t *xo, int half, int r0,
-                                                                float *out, const char *ahead, int64_t ahead_step,
-                                                                const int n) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    UNROLLED for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
-        if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
-        __m256i sum16[4];
-        UNROLLED for (int r = 0; r < n; r++) sum16[r] = _mm256_setzero_si256();
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + p * Q4_CHUNK + half * 32));
-            __m256i lo = _mm256_and_si256(pairs, low), hi = _mm256_and_si256(_mm256_srli_epi16(pairs, 4), low);
-            UNROLLED for (int r = 0; r < n; r++) {
-                const int8_t *x = xq + XQ(b, r0 + r);
-                sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(group_of(x + p * 4))));
-                sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(group_of(x + (p + 4) * 4))));
-                KEEP_IN_REGISTER(sum16[r]);
-            }
-        }
-        __m256i isum[4];
-        UNROLLED for (int r = 0; r < n; r++) isum[r] = _mm256_madd_epi16(sum16[r], ones);
-        const float *scales = (const float *)(w + Q4_NIBBLES) + half * 8;
-        __m256 ws = _mm256_loadu_ps(scales), wm = _mm256_loadu_ps(scales + TILE);
-        UNROLLED for (int r = 0; r < n; r++) {
-            __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum[r])),
-                                     _mm256_mul_ps(wm, _mm256_set1_ps(xsum_of(xo[XS(b, r0 + r)]))));
-            acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(xs[XS(b, r0 + r)]), acc[r]);
-        }
-    }
-    UNROLLED for (int r = 0; r < n; r++) _mm256_storeu_ps(out + (r0 + r) * TILE + half * 8, acc[r]);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                         int rows, float *out, const char *ahead, int64_t ahead_step) {
-    for (int half = 0; half < 2; half++)
-        for (int r0 = 0; r0 < rows; r0 += 4)
-            ROWS4_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, half, r0, out, ahead, ahead_step)
-}
-
-/* Signed tiles on AVX2 (for every x86 path: only where AVX2 is the best are weights packed so):
-   both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw,
-   for up to 3 rows (3 x 2 int16 sums, int32 sums and float outputs: all 16 registers). From L2 on
-   a Zen 3 core, 112 GMAC/s where q8's small-value kernel ran 96 on the same values (the same
-   kernel for both halves on the q8 layout: 104). */
+/* The kernels that take both halves of a tile at once do so for up to 3 rows, inlined per count. */
 #define ROWS3_SWITCH(body, n, ...)       \
     switch (n) {                         \
         case 1: body(__VA_ARGS__, 1); break; \
@@ -949,6 +896,65 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
         default: body(__VA_ARGS__, 3); break; \
     }
 
+/* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
+0..15, so vpmaddubsw takes it as the u8 operand directly, and a block's 16 products per int16 lane
+stay within 16 * 15 * 128 < 32767: the block sums in int16 (vpaddw, which leaves the multiply
+ports free), and one vpmaddwd a block widens it. Both halves of the tile at once, for up to 3 rows,
+so that each broadcast activation group feeds two vpmaddubsw (a chunk's low nibbles, then its high
+ones: two weight registers at a time): from L2 on a Zen 3 core 96 GMAC/s where a half at a time for
+4 rows ran 82. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __attribute__((always_inline)) void q4_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
+                                                                const float *xs, const int32_t *xo, int r0, float *out,
+                                                                const char *ahead, int64_t ahead_step, const int n) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[3][2];
+    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
+        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        __m256i sum16[3][2];
+        UNROLLED for (int g = 0; g < GROUPS; g++) {  /* chunk g % 4: its low nibbles are group g < 4, its high g >= 4 */
+            __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
+            __m256i pairs1 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + 32));
+            __m256i w0 = _mm256_and_si256(g < 4 ? pairs0 : _mm256_srli_epi16(pairs0, 4), low);
+            __m256i w1 = _mm256_and_si256(g < 4 ? pairs1 : _mm256_srli_epi16(pairs1, 4), low);
+            UNROLLED for (int r = 0; r < n; r++) {
+                __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
+                __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
+                sum16[r][0] = g == 0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
+                sum16[r][1] = g == 0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
+                KEEP_IN_REGISTER(sum16[r][0]);
+                KEEP_IN_REGISTER(sum16[r][1]);
+            }
+        }
+        UNROLLED for (int h = 0; h < 2; h++) {
+            const float *scales = (const float *)(w + Q4_NIBBLES) + h * 8;
+            __m256 ws = _mm256_loadu_ps(scales), wm = _mm256_loadu_ps(scales + TILE);
+            UNROLLED for (int r = 0; r < n; r++) {
+                __m256i isum = _mm256_madd_epi16(sum16[r][h], ones);
+                __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum)),
+                                         _mm256_mul_ps(wm, _mm256_set1_ps(xsum_of(xo[XS(b, r0 + r)]))));
+                acc[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(xs[XS(b, r0 + r)]), acc[r][h]);
+            }
+        }
+    }
+    UNROLLED for (int r = 0; r < n; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                         int rows, float *out, const char *ahead, int64_t ahead_step) {
+    for (int r0 = 0; r0 < rows; r0 += 3)
+        ROWS3_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step)
+}
+
+/* Signed tiles on AVX2 (for every x86 path: only where AVX2 is the best are weights packed so):
+   both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw,
+   for up to 3 rows (3 x 2 int16 sums, int32 sums and float outputs: all 16 registers). From L2 on
+   a Zen 3 core, 112 GMAC/s where q8's small-value kernel ran 96 on the same values (the same
+   kernel for both halves on the q8 layout: 104). */
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void signed_avx2_rows(const uint8_t *tile, int64_t nb, const uint8_t *xu,
                                                                     const float *xs, int r0, float *out,
