@@ -1,8 +1,8 @@
-/* The 256-bit q8 tile kernel, included by qmatmul.c once per dot-product instruction: TILE256
-   names it, TILE256_ROWS its body for n rows, TILE256_TARGET its instruction sets; LOAD256(p)
-   reads a group's weights and DOT256(isum, w, x) adds one row's u8 x s8 group dot product; an
-   ISUM256_OFFSET of 1 starts each block's sums at -128 * the activations' sum (the weights' +128,
-   for the kernels that take them unsigned). A tile's 16 output rows are two halves of 8 lanes. */
+/* The 256-bit VNNI q8 tile kernel, included by qmatmul.c once per encoding of its dot-product
+   instruction: TILE256 names it, TILE256_ROWS its body for n rows, TILE256_TARGET its instruction
+   sets, and DOT256(isum, w, x) adds one row's u8 x s8 group dot product. Each block's sums start at
+   -128 * the activations' sum, for the weights' +128. A tile's 16 output rows are two halves of 8
+   lanes. */
 __attribute__((target(TILE256_TARGET)))
 static inline __attribute__((always_inline)) void TILE256_ROWS(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                 const float *xs, const int32_t *xo, int half,
@@ -16,9 +16,9 @@ static inline __attribute__((always_inline)) void TILE256_ROWS(const uint8_t *ti
         if (half == 0 && r0 == 0) prefetch_ahead(ahead, ahead_step, b);
         __m256i isum[4];
         UNROLLED for (int r = 0; r < n; r++)
-            isum[r] = ISUM256_OFFSET ? _mm256_set1_epi32(xo[XS(b, r0 + r)]) : _mm256_setzero_si256();
+            isum[r] = _mm256_set1_epi32(xo[XS(b, r0 + r)]);
         UNROLLED for (int g = 0; g < GROUPS; g++) {
-            __m256i wg = LOAD256(w + g * 64);
+            __m256i wg = _mm256_loadu_si256((const __m256i *)(w + g * 64));
             UNROLLED for (int r = 0; r < n; r++) {
                 isum[r] = DOT256(isum[r], wg, _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4)));
                 KEEP_IN_REGISTER(isum[r]);
