@@ -797,6 +797,27 @@ static inline int32_t group_of(const int8_t *p) {
         default: body(__VA_ARGS__, 3); break; \
     }
 
+/* The end of a block in the kernels that take both halves of a tile at once: each row's integer
+   sums into its float outputs, acc = fma((float)isum, d * xs, acc), with the 16 columns' fp16
+   scales d at `scales`; and, after the last block, the outputs stored. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __attribute__((always_inline)) void add_block(__m256 acc[3][2], __m256i isum[3][2], const uint16_t *scales,
+                                                             const float *xs, int64_t b, int r0, const int n) {
+    UNROLLED for (int h = 0; h < 2; h++) {
+        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + h * 8)));
+        UNROLLED for (int r = 0; r < n; r++) {
+            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), s, acc[r][h]);
+        }
+    }
+}
+
+__attribute__((target("avx2")))
+static inline __attribute__((always_inline)) void store_rows(float *out, __m256 acc[3][2], int r0, const int n) {
+    UNROLLED for (int r = 0; r < n; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+}
+
 /* AVX2: vpmaddubsw multiplies u8 by s8 into saturating int16 pairs, so it gets |w| and x with
    w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. The weights
    are read back to signed (xor 0x80), so the sums need no offset. Both halves of the tile at once,
@@ -828,16 +849,9 @@ static inline __attribute__((always_inline)) void avx2_rows(const uint8_t *tile,
                 KEEP_IN_REGISTER(isum[r][1]);
             }
         }
-        UNROLLED for (int h = 0; h < 2; h++) {
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * TILE + h * 8)));
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), s, acc[r][h]);
-            }
-        }
+        add_block(acc, isum, scales + b * TILE, xs, b, r0, n);
     }
-    UNROLLED for (int r = 0; r < n; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+    store_rows(out, acc, r0, n);
 }
 
 __attribute__((target("avx2,fma,f16c")))
@@ -968,8 +982,7 @@ static inline __attribute__((always_inline)) void q4_avx2_rows(const uint8_t *ti
             }
         }
     }
-    UNROLLED for (int r = 0; r < n; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+    store_rows(out, acc, r0, n);
 }
 
 __attribute__((target("avx2,fma,f16c")))
@@ -1015,16 +1028,9 @@ static inline __attribute__((always_inline)) void signed_avx2_rows(const uint8_t
                     isum[r][h] = _mm256_add_epi32(start, _mm256_madd_epi16(sum16[r][h], ones));
                 }
         }
-        UNROLLED for (int h = 0; h < 2; h++) {
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + BLOCK_BYTES + TILE * 4 + h * 16)));
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[XS(b, r0 + r)]));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), s, acc[r][h]);
-            }
-        }
+        add_block(acc, isum, (const uint16_t *)(w + BLOCK_BYTES + TILE * 4), xs, b, r0, n);
     }
-    UNROLLED for (int r = 0; r < n; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
+    store_rows(out, acc, r0, n);
 }
 
 __attribute__((target("avx2,fma,f16c")))
