@@ -39,9 +39,10 @@ then its fifth bits, 64 bytes: bit g of byte j is the fifth bit of byte j of gro
 
 A block's isum is dot(q - 16, xq), so every path sums what q8 does (acc = fma((float)isum_b,
 wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits. After the q5 tiles,
-the same weights in q8's layout (values q - 16, the same scales) serve calls of more rows than
-q5_rows(isa): there the matmul is no longer bound by reading its weights, and taking the fifth bits
-apart at every pass cost more than the bytes saved.
+a copy of the same weights (values q - 16, the same scales), in q8's layout or in signed tiles (see
+signed_packed_bytes), serves calls of more rows than q5_rows(isa): there the matmul is no longer
+bound by reading its weights, and taking the fifth bits apart at every pass cost more than the bytes
+saved.
 
 An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
 all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
