@@ -223,6 +223,27 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs_ties_going_to_the_first(n
     check_fused_argmax(native_library, native_library.pack(w), x)
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_the_fused_argmax_takes_the_first_of_ties_in_one_lane_and_never_a_padding_column(native_library, m):
+    """Every output negative, so a padding column's 0 would win if it counted (1000 columns: the last
+    tile holds 8); the best is a tie of columns 17, 33 and 49, one lane of three tiles in a row."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.rand(1000, 64, generator=g) + 0.5
+    w[17] = w[33] = w[49] = w[17] * 0.01
+    x = -(torch.rand(m, 64, generator=g) + 0.5)
+    packed = native_library.pack(w)
+    expected = packed(x).argmax(dim=1)
+    assert (expected == 17).all() and (packed(x) < 0).all()
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for isa in native_library.supported:
+                assert torch.equal(packed.argmax(x, isa), expected), (count, isa)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_without_any_compiler_the_native_kernels_say_so_once(tmp_path, monkeypatch, caplog):
     from tollway.model.native import build
     from tollway.model.row_ops import row_ops_library

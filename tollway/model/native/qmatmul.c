@@ -1289,6 +1289,8 @@ static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for, 0},
 /* A call's work is items of (a chunk of rows, a range of tiles), taken in order by whichever
    thread is free: a thread that shares its core with another process then does less, and no
    output depends on which thread computed it. */
+typedef void (*keep_fn)(const float *out, int rows, int64_t cols, int64_t col0, float *best, int32_t *best_col);
+
 typedef struct {
     tile_kernel kernel;
     tile_kernel small_kernel;  /* for the tiles whose largest[t] <= SMALL_VALUES, or NULL */
@@ -1307,6 +1309,7 @@ typedef struct {
     int64_t ldy;
     float *best;            /* [ranges][m][TILE] the largest output of each lane's columns in a range */
     int32_t *best_col;      /* [ranges][m][TILE] its column, the first one on ties */
+    keep_fn keep_largest;   /* (keep_largest_for) */
     struct pruning *prune;  /* or, for a pruned argmax, the bounds each tile's outputs go to */
 } matmul_job;
 
@@ -1314,15 +1317,11 @@ struct pruning;
 static void prune_outputs(struct pruning *p, const float *out, int rows, int64_t cols, int64_t t, int64_t r0,
                           int64_t range);
 
-/* The running largest output of each lane (column mod TILE) of `rows` rows, out [rows][TILE].
-   Branch-free, so it vectorizes; a later column replaces only a strictly larger value, and
-   padding never counts. One call a tile, not a row: at 64 rows a call per row cost the LM head
-   a million calls a step. */
-#if defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-static void keep_largest(const float *restrict out, int rows, int64_t cols, int64_t col0, float *restrict best,
-                         int32_t *restrict best_col) {
+/* The running largest output of each lane (column mod TILE) of `rows` rows, out [rows][TILE]: a
+   later column replaces only a strictly larger value, and padding never counts. One call a tile,
+   not a row: at 64 rows a call per row cost the LM head a million calls a step. */
+static void keep_largest_portable(const float *restrict out, int rows, int64_t cols, int64_t col0,
+                                  float *restrict best, int32_t *restrict best_col) {
     for (int r = 0; r < rows; r++, out += TILE, best += TILE, best_col += TILE) {
         for (int c = 0; c < TILE; c++) {
             float v = c < cols ? out[c] : -INFINITY;
@@ -1331,6 +1330,37 @@ static void keep_largest(const float *restrict out, int rows, int64_t cols, int6
             best_col[c] = take ? (int32_t)(col0 + c) : best_col[c];
         }
     }
+}
+
+#if defined(__x86_64__)
+/* The same with plain loads and stores: gcc made the C body's selects masked moves, which Zen 3 runs
+   slowly enough that at one row they took 15% of the LM head's time. */
+_Static_assert(TILE == 16, "a tile's row is two 8-lane registers");
+__attribute__((target("avx2")))
+static void keep_largest_avx2(const float *out, int rows, int64_t cols, int64_t col0, float *best, int32_t *best_col) {
+    for (int h = 0; h < 2; h++) {
+        __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(h * 8));
+        __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)cols), lane));
+        __m256i column = _mm256_add_epi32(lane, _mm256_set1_epi32((int32_t)col0));
+        for (int r = 0; r < rows; r++) {
+            int64_t at = r * TILE + h * 8;
+            __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(out + at), valid);
+            __m256 b = _mm256_loadu_ps(best + at);
+            __m256 take = _mm256_cmp_ps(v, b, _CMP_GT_OQ);
+            _mm256_storeu_ps(best + at, _mm256_blendv_ps(b, v, take));
+            __m256i kept = _mm256_loadu_si256((const __m256i *)(best_col + at));
+            _mm256_storeu_si256((__m256i *)(best_col + at), _mm256_blendv_epi8(kept, column, _mm256_castps_si256(take)));
+        }
+    }
+}
+#endif
+
+static keep_fn keep_largest_for(int isa) {
+#if defined(__x86_64__)
+    if (isa != ISA_PORTABLE) return keep_largest_avx2;
+#endif
+    (void)isa;
+    return keep_largest_portable;
 }
 
 static void matmul_part(void *ctx, int part, int parts) {
@@ -1365,7 +1395,7 @@ static void matmul_part(void *ctx, int part, int parts) {
                 if (j->prune)
                     prune_outputs(j->prune, out, rows, cols, t, r0, range);
                 else if (!j->y)
-                    keep_largest(out, rows, cols, t * TILE, best + r0 * TILE, best_col + r0 * TILE);
+                    j->keep_largest(out, rows, cols, t * TILE, best + r0 * TILE, best_col + r0 * TILE);
                 else if (cols == TILE)  /* a copy of constant size, which the compiler inlines */
                     for (int r = 0; r < rows; r++)
                         memcpy(j->y + (r0 + r) * j->ldy + t * TILE, out + r * TILE, TILE * sizeof(float));
@@ -1460,7 +1490,8 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {f->kernel_for(isa), f->small_kernel_for(isa), packed + tiles * f->tile_bytes(k), f->tile_bytes(k),
                     f->unsigned_activations ? unsigned_activations(xq, m, k) : xq, xs, xo, m, k, n, nb, row_chunk, ranges,
-                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col, NULL};
+                    (m + row_chunk - 1) / row_chunk * ranges, 0, packed, y, ldy, best, best_col, keep_largest_for(isa),
+                    NULL};
     run_parallel(threads, matmul_part, &j);
     for (int64_t r = 0; r < m && !y; r++) {  /* the largest over ranges and lanes; a tie keeps the first column */
         float top = -INFINITY;

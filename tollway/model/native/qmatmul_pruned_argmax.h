@@ -361,7 +361,7 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {signed_kernel_for(isa), NULL, NULL, signed_tile_bytes(k), xu, xs, xo, m, k, n, nb,
                     row_chunk, ranges,
-                    (m + row_chunk - 1) / row_chunk * ranges, 0, coarse, NULL, 0, NULL, NULL, &p};
+                    (m + row_chunk - 1) / row_chunk * ranges, 0, coarse, NULL, 0, NULL, NULL, NULL, &p};
     run_parallel(threads, matmul_part, &j);
     rescore_job rescore = {&p, ranges, k, columns, xq, xs, argmax, isa, 0};
     run_parallel(threads, rescore_part, &rescore);
