@@ -874,8 +874,8 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
    The same body runs q5 (q5 = 1; also for AVX-VNNI), whose q is u: each group's low 4 bits from its
    nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4.
    Both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw:
-   q5's 36 gate/up weights 1.09-1.11x faster at 1 row, 1.23x at 2 (Zen 3); q8's small tiles from
-   L2, 104 against 96 GMAC/s a core. */
+   q5's 36 gate/up weights 1.26x faster at 1 row, 1.30x at 2 (Zen 3, A/B in one process); q8's
+   small tiles from L2, 104 against 96 GMAC/s a core. */
 _Static_assert(SMALL_VALUES == Q5_OFFSET, "q8's small values and q5's take the same offset");
 _Static_assert(SMALL_VALUES == 1 << SMALL_VALUES_LOG2, "the offset's sum is xo shifted");
 __attribute__((target("avx2,fma,f16c")))
