@@ -476,7 +476,8 @@ static void put_copy_value(uint8_t *tile, int copy, int64_t b, int lane, int i, 
 void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out, int copy) {
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
     int64_t copy_tile = copy == Q5_COPY_SIGNED ? signed_tile_bytes(k) : q8_tile_bytes(k);
-    uint8_t *copied = out + q5_copy_at(n, k), *largest = copied + tiles * q8_tile_bytes(k);
+    uint8_t *copied = out + q5_copy_at(n, k);
+    uint8_t *largest = copy == Q5_COPY_Q8 ? copied + tiles * q8_tile_bytes(k) : NULL;  /* q8's byte a tile */
     memset(out, 0, (size_t)q5_packed_bytes(n, k, copy));  /* padding rows: zero scales */
     copied[-Q5_COPY_SLOT] = (uint8_t)copy;
     for (int64_t t = 0; t < tiles; t++) {
@@ -865,55 +866,69 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
         ROWS3_SWITCH(avx2_rows, rows - r0, tile, nb, xq, xs, r0, out, ahead, ahead_step)
 }
 
-/* AVX2 on a tile of small values (|w| <= SMALL_VALUES = 16), without tile_avx2's vpsignb, which
-   takes a multiply port as vpmaddubsw and vpmaddwd do. u = w + 16, in 0..32, is the u8 operand,
-   so each int16 pair is at most 2 * 32 * 127 and four groups sum in int16 (< 32767); one
-   vpmaddwd widens them. isum = sum(u x) - 16 sum(x), and xo / 8 is -16 sum(x): the same exact
-   integer as tile_avx2's, so the same bits. 5 multiply instructions per 4 rows and group where
-   tile_avx2 takes 13: a 4096 x 640 matmul at 64 and 512 rows ran 1.5-1.6x faster (Zen 4, AVX2).
-   The same body runs q5 (q5 = 1; also for AVX-VNNI), whose q is u: each group's low 4 bits from its
-   nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4.
-   Both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw:
-   q5's 36 gate/up weights 1.26x faster at 1 row, 1.30x at 2 (Zen 3, A/B in one process); q8's
-   small tiles from L2, 104 against 96 GMAC/s a core. */
+/* AVX2 on tiles of small values, three layouts in one body (`layout`, a constant per caller):
+   - SMALL_Q8: q8's tiles whose |w| <= SMALL_VALUES = 16, without tile_avx2's vpsignb, which takes a
+     multiply port as vpmaddubsw and vpmaddwd do. u = w + 16, in 0..32, is the u8 operand, so each
+     int16 pair is at most 2 * 32 * 127 and four groups sum in int16 (< 32767); one vpmaddwd
+     widens them. isum = sum(u x) - 16 sum(x), and xo / 8 is -16 sum(x): the same exact integer as
+     tile_avx2's, so the same bits. 5 multiply instructions per 4 rows and group where tile_avx2
+     takes 13: a 4096 x 640 matmul at 64 and 512 rows ran 1.5-1.6x faster (Zen 4, AVX2).
+   - SMALL_Q5: q5's tiles (also for AVX-VNNI), whose q is u: each group's low 4 bits from its
+     nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4.
+   - SMALL_SIGNED: signed tiles (for every x86 path: only where AVX2 is the best are weights packed
+     so), the signed values against the activations in u8 (xq + 128, passed as xq), so no offset
+     per row and no vpsubb per weight load: each column's -128 sum(w) starts its sums. From L2 on a
+     Zen 3 core 112 GMAC/s, where SMALL_Q8 runs 104 on the same values.
+   Both halves of the tile at once, for up to 3 rows (3 x 2 int16 sums, int32 sums and float
+   outputs: all 16 registers), so that each broadcast activation group feeds two vpmaddubsw: q5's
+   36 gate/up weights 1.26x faster at 1 row, 1.30x at 2 (Zen 3, A/B in one process), q8's small
+   tiles from L2 104 against 96 GMAC/s a core, than a half at a time for 4 rows. */
+enum small_layout { SMALL_Q8, SMALL_Q5, SMALL_SIGNED };
 _Static_assert(SMALL_VALUES == Q5_OFFSET, "q8's small values and q5's take the same offset");
 _Static_assert(SMALL_VALUES == 1 << SMALL_VALUES_LOG2, "the offset's sum is xo shifted");
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                    const float *xs, const int32_t *xo, int r0,
                                                                    float *out, const char *ahead, int64_t ahead_step,
-                                                                   const int q5, const int n) {
+                                                                   const enum small_layout layout, const int n) {
     const __m256i to_small = _mm256_set1_epi8(128 - SMALL_VALUES), ones = _mm256_set1_epi16(1);
     const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
-    const int64_t block_bytes = q5 ? Q5_BLOCK_BYTES : BLOCK_BYTES;
+    const int64_t block_bytes = layout == SMALL_Q5 ? Q5_BLOCK_BYTES
+                                : layout == SMALL_SIGNED ? SIGNED_BLOCK_BYTES : BLOCK_BYTES;
     __m256 acc[3][2];
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * block_bytes;
         if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
         __m256i isum[3][2];
-        /* -16 sum(x) = xo / 8, exactly (xo is -128 sum(x)): broadcast from memory and shifted, where
-           `xo / 128 * 16` took a signed division's six scalar instructions a row and block */
+        /* SMALL_SIGNED: the columns' offsets from the block; else -16 sum(x) = xo / 8, exactly (xo is
+           -128 sum(x)): broadcast from memory and shifted, where `xo / 128 * 16` took a signed
+           division's six scalar instructions a row and block */
         UNROLLED for (int r = 0; r < n; r++)
-            isum[r][0] = isum[r][1] = _mm256_srai_epi32(_mm256_set1_epi32(xo[XS(b, r0 + r)]), 7 - SMALL_VALUES_LOG2);
+            for (int h = 0; h < 2; h++)
+                isum[r][h] = layout == SMALL_SIGNED
+                                 ? _mm256_loadu_si256((const __m256i *)(w + BLOCK_BYTES + h * 32))
+                                 : _mm256_srai_epi32(_mm256_set1_epi32(xo[XS(b, r0 + r)]), 7 - SMALL_VALUES_LOG2);
         UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* (q5: the low nibbles' groups, then the high ones') */
             __m256i sum16[3][2];
             UNROLLED for (int g = g0; g < g0 + 4; g++) {
                 __m256i u[2];
                 UNROLLED for (int h = 0; h < 2; h++) {
-                    if (q5) {
+                    if (layout == SMALL_Q5) {
                         __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + h * 32));
                         __m256i high = _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + h * 32));
                         __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
                         __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
                         u[h] = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
                     } else {
-                        u[h] = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32)), to_small);
+                        u[h] = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+                        if (layout == SMALL_Q8) u[h] = _mm256_sub_epi8(u[h], to_small);
                     }
                 }
                 UNROLLED for (int r = 0; r < n; r++) {
                     __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                    __m256i p0 = _mm256_maddubs_epi16(u[0], x), p1 = _mm256_maddubs_epi16(u[1], x);
+                    __m256i p0 = layout == SMALL_SIGNED ? _mm256_maddubs_epi16(x, u[0]) : _mm256_maddubs_epi16(u[0], x);
+                    __m256i p1 = layout == SMALL_SIGNED ? _mm256_maddubs_epi16(x, u[1]) : _mm256_maddubs_epi16(u[1], x);
                     sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
                     sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
                     KEEP_IN_REGISTER(sum16[r][0]);
@@ -924,8 +939,9 @@ static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t 
                 for (int h = 0; h < 2; h++)
                     isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(sum16[r][h], ones));
         }
-        const uint16_t *scales = q5 ? (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH)
-                                    : (const uint16_t *)(tile + nb * BLOCK_BYTES) + b * TILE;
+        const uint16_t *scales = layout == SMALL_Q5     ? (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH)
+                                 : layout == SMALL_SIGNED ? (const uint16_t *)(w + BLOCK_BYTES + TILE * 4)
+                                                          : (const uint16_t *)(tile + nb * BLOCK_BYTES) + b * TILE;
         add_block(acc, isum, scales, xs, b, r0, n);
     }
     store_rows(out, acc, r0, n);
@@ -935,14 +951,21 @@ __attribute__((target("avx2,fma,f16c")))
 static void tile_avx2_small(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                             int rows, float *out, const char *ahead, int64_t ahead_step) {
     for (int r0 = 0; r0 < rows; r0 += 3)
-        ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, 0)
+        ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, SMALL_Q8)
 }
 
 __attribute__((target("avx2,fma,f16c")))
 static void q5_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                          int rows, float *out, const char *ahead, int64_t ahead_step) {
     for (int r0 = 0; r0 < rows; r0 += 3)
-        ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, 1)
+        ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, SMALL_Q5)
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void signed_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
+                             int rows, float *out, const char *ahead, int64_t ahead_step) {
+    for (int r0 = 0; r0 < rows; r0 += 3)
+        ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, SMALL_SIGNED)
 }
 
 /* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
@@ -996,56 +1019,6 @@ static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, cons
                          int rows, float *out, const char *ahead, int64_t ahead_step) {
     for (int r0 = 0; r0 < rows; r0 += 3)
         ROWS3_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step)
-}
-
-/* Signed tiles on AVX2 (for every x86 path: only where AVX2 is the best are weights packed so):
-   both halves of the tile at once, so that each broadcast activation group feeds two vpmaddubsw,
-   for up to 3 rows (3 x 2 int16 sums, int32 sums and float outputs: all 16 registers). From L2 on
-   a Zen 3 core, 112 GMAC/s where q8's small-value kernel, a half at a time, ran 96 on the same
-   values (both halves: 104). */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void signed_avx2_rows(const uint8_t *tile, int64_t nb, const uint8_t *xu,
-                                                                    const float *xs, int r0, float *out,
-                                                                    const char *ahead, int64_t ahead_step,
-                                                                    const int n) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[3][2];
-    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * SIGNED_BLOCK_BYTES;
-        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
-        __m256i isum[3][2];
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {
-            __m256i sum16[3][2];
-            UNROLLED for (int g = g0; g < g0 + 4; g++) {
-                __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
-                __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
-                UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x = _mm256_set1_epi32(group_of((const int8_t *)xu + XQ(b, r0 + r) + g * 4));
-                    __m256i p0 = _mm256_maddubs_epi16(x, w0), p1 = _mm256_maddubs_epi16(x, w1);
-                    sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                    sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                    KEEP_IN_REGISTER(sum16[r][0]);
-                    KEEP_IN_REGISTER(sum16[r][1]);
-                }
-            }
-            UNROLLED for (int r = 0; r < n; r++)
-                for (int h = 0; h < 2; h++) {
-                    __m256i start = g0 ? isum[r][h] : _mm256_loadu_si256((const __m256i *)(w + BLOCK_BYTES + h * 32));
-                    isum[r][h] = _mm256_add_epi32(start, _mm256_madd_epi16(sum16[r][h], ones));
-                }
-        }
-        add_block(acc, isum, (const uint16_t *)(w + BLOCK_BYTES + TILE * 4), xs, b, r0, n);
-    }
-    store_rows(out, acc, r0, n);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void signed_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                             int rows, float *out, const char *ahead, int64_t ahead_step) {
-    (void)xo;
-    for (int r0 = 0; r0 < rows; r0 += 3)
-        ROWS3_SWITCH(signed_avx2_rows, rows - r0, tile, nb, (const uint8_t *)xq, xs, r0, out, ahead, ahead_step)
 }
 
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
