@@ -28,7 +28,10 @@ NEW = 5
 STANDARD = default_tiers()["standard"]
 NANO = 1 / NANOS
 PRICE = (len(PROMPT) * STANDARD.price_input_per_m + NEW * STANDARD.price_output_per_m) / 1e6
-NOW = [time.time()]  # the budgets' clock; a test moves it a day on
+# The budgets' clock; a test moves it a day on. The ledger dates requests by the real clock, and a
+# new day's spend is seeded from it: set when the module's server starts, at noon of that UTC day,
+# so that a suite collected before midnight and run after it does not count today's requests twice.
+NOW = [0.0]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def metered(make_engine, tmp_path_factory, receiver):
     ledger = tmp_path_factory.mktemp("meter") / "ledger.sqlite"
+    NOW[0] = time.time() // 86400 * 86400 + 43200
     # Five requests' worth, a hair under: 50% at the 3rd, 80% at the 4th, the cap at the 5th.
     budget = BudgetSpec(limit=5 * PRICE * (1 - 1e-9), key="capped", period="daily")
     meter = make_meter(ledger, [budget], Webhook(receiver.url, backoff=0.01), clock=lambda: NOW[0])

@@ -207,31 +207,52 @@ def test_attention_split_over_threads_equals_one_thread(native, window, dtype):
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (8, 1)])
-def test_a_lone_decode_shared_by_threads_equals_one_thread(native, heads, kv_heads):
-    """One token, fewer than the threads: they share its query vectors in narrower tiles."""
+@pytest.mark.parametrize("heads,kv_heads,window,softcap,dtype,d", [
+    (4, 1, 0, None, torch.float16, 32), (4, 2, 0, None, torch.float16, 32), (8, 1, 0, None, torch.float16, 32),
+    (6, 1, 700, 5.0, torch.float32, 48), (4, 1, 700, None, torch.float16, 256)])
+def test_a_lone_decode_shared_by_threads_equals_one_thread(native, heads, kv_heads, window, softcap, dtype, d):
+    """One token, fewer than the threads: they score slices of its keys, then sum slices of the value
+    columns (48 columns: three 16-column slices over 2 threads, none for a fourth; 6 heads: a padded tile)."""
     g = torch.Generator().manual_seed(5)
-    d, bs, context = 32, 4, 2000
+    bs, context = 4, 2000
     table = tuple(torch.randperm(600, generator=g)[:context // bs + 1].tolist())
     seq = ScheduledSeq("a", "standard", (1,), context, table, True, SamplingParams(temperature=0))
-    cache = KVCache(600 * bs, kv_heads, d, torch.float16, torch.device("cpu"))
+    cache = KVCache(600 * bs, kv_heads, d, dtype, torch.device("cpu"))
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     qk, v = torch.randn(1, heads + kv_heads, d, generator=g), torch.randn(1, kv_heads, d, generator=g)
-    meta = step_metadata([seq], [context], [table[context // bs] * bs + context % bs], bs, None, torch.device("cpu"),
-                         False)
+    kind = "sliding" if window else "full"
+    meta = step_metadata([seq], [context], [table[context // bs] * bs + context % bs], bs, window or None,
+                         torch.device("cpu"), False)
     before, results = torch.get_num_threads(), []
     try:
         for threads in (1, 2, 3, 4):
             torch.set_num_threads(threads)
-            results.append(native.attention(qk, v, heads, cache, meta, "full", 0, 0.25, None))
+            results.append(native.attention(qk, v, heads, cache, meta, kind, window, 0.25, softcap))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(results[0], r) for r in results[1:])
     want = TorchRowOps().attention(qk, v, heads, cache, step_metadata([seq], [context], meta.slot_mapping.tolist(), bs,
-                                                                         None, torch.device("cpu"), True),
-                                   "full", 0, 0.25, None)
+                                                                         window or None, torch.device("cpu"), True),
+                                   kind, window, 0.25, softcap)
     torch.testing.assert_close(results[0], want, **CLOSE)
+
+
+def test_decodes_fewer_than_the_threads_share_them_and_equal_one_thread(native):
+    """Three decodes of different lengths on four threads (118 keys in all: past the sharing threshold)."""
+    seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(0)
+    decodes = seqs[:2] + [ScheduledSeq("e", "standard", (1,), 70, seqs[3].block_table, True, seqs[3].params)]
+    positions, slots = positions[:2] + [70], slots[:2] + [seqs[3].block_table[70 // bs] * bs + 70 % bs]
+    rows = [0, 1, len(qk) - 1]
+    meta = step_metadata(decodes, positions, slots, bs, None, torch.device("cpu"), False)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            results.append(native.attention(qk[rows], v[rows], heads, cache, meta, "full", 0, 0.25, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
 
 
 def test_a_half_cache_rounds_as_torch_does_at_the_edges(native):
