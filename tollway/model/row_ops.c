@@ -558,16 +558,20 @@ static void tile_vectors(const attention_job *j, int64_t t, int64_t g, int64_t v
     }
 }
 
-static inline __attribute__((always_inline)) void shared_scores(const shared_job *s, int part, int parts,
-                                                                const int half) {
+/* One phase of a part: the scores of its slice of the keys, or (values) the sums of its slice of
+   the value columns. */
+static inline __attribute__((always_inline)) void shared_phase(const shared_job *s, int part, int parts,
+                                                               const int values, const int half) {
     const attention_job *j = s->j;
+    int64_t d = j->d, pieces = d / 16, c0 = pieces * part / parts * 16, c1 = pieces * (part + 1) / parts * 16;
+    if (values && c0 == c1) return;
     lookahead none = {0};
+    float sums[TILE][d], total[TILE], *weights = s->weights + part * TILE * s->stride;
     for (int64_t t = 0; t < j->tokens; t++) {
-        int64_t lo, hi;
+        int64_t lo, hi, los[TILE], his[TILE];
         key_range(j, t, &lo, &hi);
         int64_t span = hi - lo + 1, j0 = span * part / parts, j1 = span * (part + 1) / parts;
-        if (j0 == j1) continue;
-        int64_t los[TILE], his[TILE];
+        if (!values && j0 == j1) continue;
         for (int i = 0; i < TILE; i++) los[i] = lo, his[i] = hi;
         for (int64_t g = 0; g < j->kv_heads; g++) {
             const int64_t *rows = s->rows + (t * j->kv_heads + g) * s->stride;
@@ -576,32 +580,12 @@ static inline __attribute__((always_inline)) void shared_scores(const shared_job
                 float *ov[TILE];
                 tile_vectors(j, t, g, tile * TILE, qv, ov);
                 float *scores = s->scores + ((t * j->kv_heads + g) * s->tiles + tile) * TILE * s->stride;
-                score_keys(qv, rows, j0, j1, s->stride, j->d, j->k_cache, j->v_cache, j->scale, j->softcap, lo, los,
-                           his, scores, &none, 0, half, TILE);
-            }
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void shared_values(const shared_job *s, int part, int parts,
-                                                                const int half) {
-    const attention_job *j = s->j;
-    int64_t d = j->d, pieces = d / 16, c0 = pieces * part / parts * 16, c1 = pieces * (part + 1) / parts * 16;
-    if (c0 == c1) return;
-    lookahead none = {0};
-    float sums[TILE][d], total[TILE], *weights = s->weights + part * TILE * s->stride;
-    for (int64_t t = 0; t < j->tokens; t++) {
-        int64_t lo, hi;
-        key_range(j, t, &lo, &hi);
-        int64_t span = hi - lo + 1;
-        for (int64_t g = 0; g < j->kv_heads; g++) {
-            const int64_t *rows = s->rows + (t * j->kv_heads + g) * s->stride;
-            for (int64_t tile = 0; tile < s->tiles; tile++) {
-                const float *qv[TILE];
-                float *ov[TILE];
-                tile_vectors(j, t, g, tile * TILE, qv, ov);
-                memcpy(weights, s->scores + ((t * j->kv_heads + g) * s->tiles + tile) * TILE * s->stride,
-                       sizeof(float) * TILE * s->stride);
+                if (!values) {
+                    score_keys(qv, rows, j0, j1, s->stride, d, j->k_cache, j->v_cache, j->scale, j->softcap, lo, los,
+                               his, scores, &none, 0, half, TILE);
+                    continue;
+                }
+                memcpy(weights, scores, sizeof(float) * TILE * s->stride);
                 softmax_numerators(weights, span, s->stride, total, TILE);
                 value_sums(j->v_cache, rows, weights, span, s->stride, d, c0, c1, sums, &none, 0, half, TILE);
                 for (int i = 0; i < TILE; i++) {
@@ -615,12 +599,12 @@ static inline __attribute__((always_inline)) void shared_values(const shared_job
 
 static void shared_scores_part(void *ctx, int part, int parts) {
     const shared_job *s = ctx;
-    if (s->j->half) shared_scores(s, part, parts, 1); else shared_scores(s, part, parts, 0);
+    if (s->j->half) shared_phase(s, part, parts, 0, 1); else shared_phase(s, part, parts, 0, 0);
 }
 
 static void shared_values_part(void *ctx, int part, int parts) {
     const shared_job *s = ctx;
-    if (s->j->half) shared_values(s, part, parts, 1); else shared_values(s, part, parts, 0);
+    if (s->j->half) shared_phase(s, part, parts, 1, 1); else shared_phase(s, part, parts, 1, 0);
 }
 
 static void run_shared(const attention_job *j, parallel_fn parallel, int threads) {
