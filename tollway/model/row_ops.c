@@ -263,6 +263,20 @@ static inline void fetch_ahead(lookahead *a, int64_t lines) {
     }
 }
 
+/* The first key position a query at `position` reads: window 0 reads from 0. */
+static inline int64_t first_key(int64_t position, int64_t window) {
+    return window && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
+/* out[i][c0, c1) = the tile's value sums over their softmax totals, for the vectors it outputs. */
+static inline void divide_sums(float *const *ov, int64_t d, float (*sums)[d], const float *total, int64_t c0,
+                               int64_t c1) {
+    for (int i = 0; i < TILE; i++) {
+        if (!ov[i]) continue;
+        for (int64_t c = c0; c < c1; c += 8) store8(ov[i] + c, load8(sums[i] + c) / total[i]);
+    }
+}
+
 /* rows[j] = the cache row of KV head g's key at position first + j, for j < span, through the
    sequence's block table: a block at a time, for a division per key took attention 1.02-1.08x
    the time. */
@@ -410,7 +424,7 @@ static inline __attribute__((always_inline)) void attend(
                     qv[i] = q + t * q_stride + h * d;
                     ov[i] = v0 + i < vectors ? out + (t * heads + h) * d : NULL;
                     hi[i] = positions[t];
-                    lo[i] = window && hi[i] - window + 1 > 0 ? hi[i] - window + 1 : 0;
+                    lo[i] = first_key(hi[i], window);
                     tile_lo = lo[i] < tile_lo ? lo[i] : tile_lo;
                     tile_hi = hi[i] > tile_hi ? hi[i] : tile_hi;
                 }
@@ -429,7 +443,7 @@ static inline __attribute__((always_inline)) void attend(
                 if (end < tokens && g == kv_heads - 1 && v0 + tile >= vectors) {
                     int64_t row_bytes = kv_heads * d * (half ? 2 : 4), last = end;
                     while (last + 1 < tokens && table_rows[last + 1] == table_rows[end]) last++;
-                    int64_t start = window && positions[end] - window + 1 > 0 ? positions[end] - window + 1 : 0;
+                    int64_t start = first_key(positions[end], window);
                     int64_t stop = positions[last] + 1;
                     stop = (stop - start) * row_bytes > LOOKAHEAD_BYTES ? start + LOOKAHEAD_BYTES / row_bytes : stop;
                     next = (lookahead){(const char *)k_cache, (const char *)v_cache, tables + table_rows[end] * table_width,
@@ -442,10 +456,7 @@ static inline __attribute__((always_inline)) void attend(
                 float total[TILE];
                 softmax_numerators(weights, span, span, total, tile);
                 value_sums(v_cache, rows, weights, span, span, d, 0, d, sums, &next, per_step, half, tile);
-                for (int i = 0; i < tile; i++) {
-                    if (!ov[i]) continue;
-                    for (int64_t c = 0; c < d; c += 8) store8(ov[i] + c, load8(sums[i] + c) / total[i]);
-                }
+                divide_sums(ov, d, sums, total, 0, d);
             }
         }
         first = end;
@@ -501,8 +512,7 @@ typedef struct {
 } attention_job;
 
 static int64_t keys_read(const attention_job *j, int64_t t) {
-    int64_t p = j->positions[t] + 1;
-    return j->window && j->window < p ? j->window : p;
+    return j->positions[t] - first_key(j->positions[t], j->window) + 1;
 }
 
 /* Part p takes the tokens from where the keys read before them reach p / parts of the total,
@@ -542,11 +552,6 @@ typedef struct {
     float *weights;      /* [parts][TILE][stride]: each part's softmax numerators */
 } shared_job;
 
-static void key_range(const attention_job *j, int64_t t, int64_t *lo, int64_t *hi) {
-    *hi = j->positions[t];
-    *lo = j->window && *hi - j->window + 1 > 0 ? *hi - j->window + 1 : 0;
-}
-
 /* The tile's query vectors (the last repeated past the group) and their outputs (NULL there). */
 static void tile_vectors(const attention_job *j, int64_t t, int64_t g, int64_t v0, const float *qv[TILE],
                          float *ov[TILE]) {
@@ -568,8 +573,7 @@ static inline __attribute__((always_inline)) void shared_phase(const shared_job 
     lookahead none = {0};
     float sums[TILE][d], total[TILE], *weights = s->weights + part * TILE * s->stride;
     for (int64_t t = 0; t < j->tokens; t++) {
-        int64_t lo, hi, los[TILE], his[TILE];
-        key_range(j, t, &lo, &hi);
+        int64_t hi = j->positions[t], lo = first_key(hi, j->window), los[TILE], his[TILE];
         int64_t span = hi - lo + 1, j0 = span * part / parts, j1 = span * (part + 1) / parts;
         if (!values && j0 == j1) continue;
         for (int i = 0; i < TILE; i++) los[i] = lo, his[i] = hi;
@@ -588,10 +592,7 @@ static inline __attribute__((always_inline)) void shared_phase(const shared_job 
                 memcpy(weights, scores, sizeof(float) * TILE * s->stride);
                 softmax_numerators(weights, span, s->stride, total, TILE);
                 value_sums(j->v_cache, rows, weights, span, s->stride, d, c0, c1, sums, &none, 0, half, TILE);
-                for (int i = 0; i < TILE; i++) {
-                    if (!ov[i]) continue;
-                    for (int64_t c = c0; c < c1; c += 8) store8(ov[i] + c, load8(sums[i] + c) / total[i]);
-                }
+                divide_sums(ov, d, sums, total, c0, c1);
             }
         }
     }
@@ -619,8 +620,7 @@ static void run_shared(const attention_job *j, parallel_fn parallel, int threads
         return;
     }
     for (int64_t t = 0; t < j->tokens; t++) {
-        int64_t lo, hi;
-        key_range(j, t, &lo, &hi);
+        int64_t hi = j->positions[t], lo = first_key(hi, j->window);
         for (int64_t g = 0; g < j->kv_heads; g++)
             key_rows(j->tables + j->table_rows[t] * j->table_width, lo, hi - lo + 1, j->block_size, j->kv_heads, g,
                      rows + (t * j->kv_heads + g) * stride);
