@@ -388,6 +388,24 @@ static inline __attribute__((always_inline)) void value_sums(
     }
 }
 
+/* Attention's two buffers (key rows; scores and numerators), kept per thread between calls up to
+   KEPT_SCRATCH_BYTES each: a decode step allocated and freed them once a layer (about 1 us each
+   at b1, with the consolidation of the small blocks Python frees). A larger buffer, a long
+   sequence's, is the caller's own and freed when given back. NULL when memory ran out. */
+enum { SCRATCH_ROWS, SCRATCH_SCORES, SCRATCH_KINDS };
+enum { KEPT_SCRATCH_BYTES = 1 << 20 };
+static __thread void *kept_scratch[SCRATCH_KINDS];
+
+static void *take_scratch(int kind, size_t bytes) {
+    if (bytes > KEPT_SCRATCH_BYTES) return malloc(bytes);
+    if (!kept_scratch[kind]) kept_scratch[kind] = malloc(KEPT_SCRATCH_BYTES);
+    return kept_scratch[kind];
+}
+
+static void give_scratch(int kind, void *buffer) {
+    if (buffer != kept_scratch[kind]) free(buffer);
+}
+
 /* Causal attention of each token's query heads over its sequence's cached keys, read through
    its block table: positions [max(0, p - window + 1), p] (window 0: [0, p]). Token t uses
    table row table_rows[t]; q rows are q_stride floats apart, head h at h * d; out is
@@ -430,11 +448,11 @@ static inline __attribute__((always_inline)) void attend(
                 }
                 int64_t span = tile_hi - tile_lo + 1;
                 if (span > capacity) {
-                    free(weights);
-                    free(rows);
+                    give_scratch(SCRATCH_SCORES, weights);
+                    give_scratch(SCRATCH_ROWS, rows);
                     capacity = span * 2;
-                    weights = malloc(sizeof(float) * tile * capacity);
-                    rows = malloc(sizeof(int64_t) * capacity);
+                    weights = take_scratch(SCRATCH_SCORES, sizeof(float) * tile * capacity);
+                    rows = take_scratch(SCRATCH_ROWS, sizeof(int64_t) * capacity);
                 }
                 key_rows(table, tile_lo, span, block_size, kv_heads, g, rows);
                 /* The last tile of a sequence fetches the next one's. */
@@ -461,8 +479,8 @@ static inline __attribute__((always_inline)) void attend(
         }
         first = end;
     }
-    free(weights);
-    free(rows);
+    give_scratch(SCRATCH_SCORES, weights);
+    give_scratch(SCRATCH_ROWS, rows);
 }
 
 /* half: the cache holds IEEE half (write_kv's), else float32: one body, specialized for each. */
@@ -611,11 +629,11 @@ static void shared_values_part(void *ctx, int part, int parts) {
 static void run_shared(const attention_job *j, parallel_fn parallel, int threads) {
     int64_t stride = 0, group = j->heads / j->kv_heads, tiles = (group + TILE - 1) / TILE;
     for (int64_t t = 0; t < j->tokens; t++) stride = keys_read(j, t) > stride ? keys_read(j, t) : stride;
-    int64_t *rows = malloc(sizeof(int64_t) * j->tokens * j->kv_heads * stride);
-    float *scores = malloc(sizeof(float) * (j->tokens * j->kv_heads * tiles + threads) * TILE * stride);
+    int64_t *rows = take_scratch(SCRATCH_ROWS, sizeof(int64_t) * j->tokens * j->kv_heads * stride);
+    float *scores = take_scratch(SCRATCH_SCORES, sizeof(float) * (j->tokens * j->kv_heads * tiles + threads) * TILE * stride);
     if (!rows || !scores) {  /* out of memory: one thread, which needs less */
-        free(rows);
-        free(scores);
+        give_scratch(SCRATCH_ROWS, rows);
+        give_scratch(SCRATCH_SCORES, scores);
         attention_part((void *)j, 0, 1);
         return;
     }
@@ -628,8 +646,8 @@ static void run_shared(const attention_job *j, parallel_fn parallel, int threads
     shared_job s = {j, stride, tiles, rows, scores, scores + j->tokens * j->kv_heads * tiles * TILE * stride};
     parallel(threads, shared_scores_part, &s);
     parallel(threads, shared_values_part, &s);
-    free(rows);
-    free(scores);
+    give_scratch(SCRATCH_ROWS, rows);
+    give_scratch(SCRATCH_SCORES, scores);
 }
 
 static void run_attention(const attention_job *j, parallel_fn parallel, int threads) {

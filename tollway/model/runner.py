@@ -16,7 +16,7 @@ from tollway.model.decoder import DecoderModel
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.grammar import Grammars
 from tollway.model.host_memory import keep_freed_memory, populate_in_background
-from tollway.model.attention_metadata import step_metadata
+from tollway.model.attention_metadata import long_tensor, step_metadata
 from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
 from tollway.model.native.qmatmul import q8_library
@@ -72,7 +72,7 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self._prepare(seqs)
         sampled = [s for s in seqs if s.sample]
         rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
-        keep = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
+        keep = None if len(rows) == len(input_ids) else long_tensor(rows, self.device)
         hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep)
         tokens, own = {}, {}
         if sampled:
@@ -103,7 +103,7 @@ class ModelRunner:
             logit_rows[s.request_id] = range(row + s.num_new - s.num_logit_rows, row + s.num_new)
             row += s.num_new
         meta = step_metadata(seqs, pos, slots, bs, self.window, dev, self.model.ops.needs_views)
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta, logit_rows
+        return long_tensor(ids, dev), meta.positions, meta, logit_rows
 
 
 def kv_dtype_for(device: torch.device, kv_cache_dtype: str, kernels: set[str]) -> torch.dtype:
