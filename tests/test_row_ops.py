@@ -238,6 +238,34 @@ def test_a_lone_decode_shared_by_threads_equals_one_thread(native, heads, kv_hea
     torch.testing.assert_close(results[0], want, **CLOSE)
 
 
+def test_attention_past_the_kept_scratch_equals_torch(native):
+    """A decode over 40000 keys: its score buffers pass the 1 MB each thread keeps between calls
+    (row_ops.c's take_scratch), on one thread (attend) and shared by two, so they come from malloc
+    and are freed; a short decode after them runs on the kept buffers again."""
+    g = torch.Generator().manual_seed(6)
+    bs, heads, d = 16, 4, 16
+    cache = KVCache(2600 * bs, 1, d, torch.float16, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    table = tuple(torch.randperm(2600, generator=g).tolist())
+    before = torch.get_num_threads()
+    try:
+        for context in (40000, 40, 40000):
+            seq = ScheduledSeq("a", "standard", (1,), context, table[:context // bs + 1], True,
+                               SamplingParams(temperature=0))
+            qk, v = torch.randn(1, heads + 1, d, generator=g), torch.randn(1, 1, d, generator=g)
+            slots = [table[context // bs] * bs + context % bs]
+            want = TorchRowOps().attention(qk, v, heads, cache, step_metadata(
+                [seq], [context], slots, bs, None, torch.device("cpu"), True), "full", 0, 0.25, None)
+            meta = step_metadata([seq], [context], slots, bs, None, torch.device("cpu"), False)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                torch.testing.assert_close(native.attention(qk, v, heads, cache, meta, "full", 0, 0.25, None), want,
+                                           **CLOSE)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decodes_fewer_than_the_threads_share_them_and_equal_one_thread(native):
     """Three decodes of different lengths on four threads (118 keys in all: past the sharing threshold)."""
     seqs, positions, slots, cache, qk, v, heads, bs = _attention_step(0)
