@@ -8,6 +8,8 @@ import torch
 from tollway.model.layers import ATTENTION_BLOCK, AttentionMetadata, AttentionView, PrefillSpan
 from tollway.scheduler.plan import ScheduledSeq
 
+_CPU = torch.device("cpu")  # the native path's block tables stay in host memory
+
 
 def long_tensor(values: list, device: torch.device) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.long, device=device), through numpy on the CPU: a decode
@@ -28,9 +30,8 @@ def step_metadata(seqs: list[ScheduledSeq], positions: list[int], slots: list[in
     layer_types = ("full", "sliding") if window else ("full",)
     if not needs_views:
         width = max(len(s.block_table) for s in seqs)
-        meta.tables = long_tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs],
-                                  torch.device("cpu"))
-        meta.table_rows = long_tensor([i for i, s in enumerate(seqs) for _ in range(s.num_new)], torch.device("cpu"))
+        meta.tables = long_tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs], _CPU)
+        meta.table_rows = long_tensor([i for i, s in enumerate(seqs) for _ in range(s.num_new)], _CPU)
         return meta
     decodes = [s for s in seqs if s.is_decode]
     meta.num_decode = len(decodes)

@@ -5,6 +5,7 @@
    Every output row depends only on its own input row and is computed in a fixed order, so a
    row's bits never depend on what else shares the step. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -391,14 +392,27 @@ static inline __attribute__((always_inline)) void value_sums(
 /* Attention's two buffers (key rows; scores and numerators), kept per thread between calls up to
    KEPT_SCRATCH_BYTES each: a decode step allocated and freed them once a layer (about 1 us each
    at b1, with the consolidation of the small blocks Python frees). A larger buffer, a long
-   sequence's, is the caller's own and freed when given back. NULL when memory ran out. */
+   sequence's, is the caller's own and freed when given back. NULL when memory ran out. A thread's
+   kept buffers are freed when it exits (each exited thread had left ~70 KB resident). */
 enum { SCRATCH_ROWS, SCRATCH_SCORES, SCRATCH_KINDS };
 enum { KEPT_SCRATCH_BYTES = 1 << 20 };
 static __thread void *kept_scratch[SCRATCH_KINDS];
+static pthread_key_t scratch_owner;  /* its destructor gets the exiting thread's kept_scratch */
+static pthread_once_t scratch_owner_once = PTHREAD_ONCE_INIT;
+
+static void free_kept_scratch(void *kept) {
+    for (int kind = 0; kind < SCRATCH_KINDS; kind++) free(((void **)kept)[kind]);
+}
+
+static void make_scratch_owner(void) { pthread_key_create(&scratch_owner, free_kept_scratch); }
 
 static void *take_scratch(int kind, size_t bytes) {
     if (bytes > KEPT_SCRATCH_BYTES) return malloc(bytes);
-    if (!kept_scratch[kind]) kept_scratch[kind] = malloc(KEPT_SCRATCH_BYTES);
+    if (!kept_scratch[kind]) {
+        pthread_once(&scratch_owner_once, make_scratch_owner);
+        pthread_setspecific(scratch_owner, kept_scratch);
+        kept_scratch[kind] = malloc(KEPT_SCRATCH_BYTES);
+    }
     return kept_scratch[kind];
 }
 
