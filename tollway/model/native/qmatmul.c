@@ -651,7 +651,7 @@ static void quantize_part(void *ctx, int part, int parts) {
    Arguments: the tile, nb, a group of quantized rows (values, scales, offsets), the row count
    (1..MAX_ROWS), and out[rows][16]. */
 
-/* Each SIMD kernel reads ahead: at block b it prefetches [ahead + b * step, + step), the part of the
+/* The VNNI kernels read ahead: at block b they prefetch [ahead + b * step, + step), the part of the
    weights the caller will want next (see matmul_part), into L1, and the same span FAR_PREFETCH and
    2 * FAR_PREFETCH bytes further on into L2. The L2 streams keep more lines in flight than the L1
    one alone: on the LM head at one row, one of them read 1.2x faster than none, and the second
@@ -664,6 +664,17 @@ static inline void prefetch_ahead(const char *ahead, int64_t step, int64_t b) {
         __builtin_prefetch(ahead + FAR_PREFETCH + b * step + at, 0, 2);
         __builtin_prefetch(ahead + 2 * FAR_PREFETCH + b * step + at, 0, 1);
     }
+}
+
+/* The AVX2 kernels' read-ahead: the same span AVX2_PREFETCH bytes further on, one stream into L1.
+   On the AVX2-only Zen 3 EPYC these kernels issue more instructions per weight byte than the VNNI
+   ones, and the three streams above cost more than they hid: whole decode steps, the two builds
+   alternating step by step in one process, ran 1.03x faster at b1 (in both orders, 585 steps
+   each), 1.04x at b4, 1.03x at b16, 1.02x at b64, with prefill alike. 6 KiB past `ahead` ran 1.05x
+   slower than 8, 12 alike; into L2 (prefetcht2) at 8 KiB 1.01-1.06x slower. */
+#define AVX2_PREFETCH 8192
+static inline void prefetch_ahead_avx2(const char *ahead, int64_t step, int64_t b) {
+    for (int64_t at = 0; at < step; at += 64) __builtin_prefetch(ahead + AVX2_PREFETCH + b * step + at, 0, 3);
 }
 
 /* Written before each loop over a kernel's rows or groups: gcc then keeps the accumulator arrays
@@ -837,7 +848,7 @@ static inline __attribute__((always_inline)) void avx2_rows(const uint8_t *tile,
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * BLOCK_BYTES;
-        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
         __m256i isum[3][2];
         UNROLLED for (int g = 0; g < GROUPS; g++) {
             __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + g * 64)), flip);
@@ -899,7 +910,7 @@ static inline __attribute__((always_inline)) void avx2_small_rows(const uint8_t 
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * block_bytes;
-        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
         __m256i isum[3][2];
         /* SMALL_SIGNED: the columns' offsets from the block; else -16 sum(x) = xo / 8, exactly (xo is
            -128 sum(x)): broadcast from memory and shifted, where `xo / 128 * 16` took a signed
@@ -984,7 +995,7 @@ static inline __attribute__((always_inline)) void q4_avx2_rows(const uint8_t *ti
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
-        if (r0 == 0) prefetch_ahead(ahead, ahead_step, b);
+        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
         __m256i sum16[3][2];
         UNROLLED for (int g = 0; g < GROUPS; g++) {  /* chunk g % 4: its low nibbles are group g < 4, its high g >= 4 */
             __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
