@@ -151,7 +151,9 @@ def tollway_decode(engine: Engine, b: int, prompt_len: int, new_tokens: int, see
     for ids in text_prompts(b, prompt_len, seed):
         engine.add_request(ids, params)
     steps, full_width_seen, profiled = [], 0, None
-    with tqdm(total=b * (prompt_len + new_tokens - 1), desc=f"tollway decode b={b}", unit="tok", leave=False) as bar:
+    # Inference mode once for the loop, as the server's engine thread runs (ModelRunner.execute).
+    with tqdm(total=b * (prompt_len + new_tokens - 1), desc=f"tollway decode b={b}", unit="tok",
+              leave=False) as bar, torch.inference_mode():
         while engine.has_unfinished():
             # Profile one full-width decode step, once the run has settled; it is not timed.
             if profiled is None and full_width_seen == 3:
@@ -189,11 +191,12 @@ def tollway_prefill(engine: Engine, length: int, runs: int) -> dict:
         [ids] = text_prompts(1, length, 10_000 + run)
         engine.add_request(ids, params)
         steps = []
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            steps.append({"seconds": time.perf_counter() - start, "tokens": engine.last_plan.num_tokens,
-                          "kernel": engine.last_plan.kernel})
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                steps.append({"seconds": time.perf_counter() - start, "tokens": engine.last_plan.num_tokens,
+                              "kernel": engine.last_plan.kernel})
         attempts.append({"seconds": sum(s["seconds"] for s in steps), "steps": steps})
     best = min(a["seconds"] for a in attempts)
     return {"prompt_len": length, "chunk_tokens": engine.config.scheduler.max_num_batched_tokens,

@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
+import torch
+
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
@@ -169,28 +171,32 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            while not self._stopping:
-                # Block for work only while idle; between steps take whatever has arrived.
-                block = not self.engine.has_unfinished()
-                if self._drain(block):
-                    self._publish(None)  # before anyone hears of what the commands did
-                self._end_aborted()
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    plan, result = self.engine.last_plan, self.engine.last_result
-                    if plan.seqs:
-                        self.longest_step = max(self.longest_step, result.seconds)
-                        for observe in self._observers:
-                            observe(self.engine, plan, result, outputs)
-                    self._publish(plan)
-                    self._deliver([(out.request_id, out, out.finished) for out in outputs])
-                    if self._aborted:  # a caller whose event loop closed meanwhile
-                        self._publish(None)
-                        self._end_aborted()
+            with torch.inference_mode():  # once for the thread, not once a step (ModelRunner.execute)
+                self._steps()
             stopped: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
             self.error = stopped = e
         self._deliver([(rid, stopped, True) for rid in list(self._outputs)])
+
+    def _steps(self) -> None:
+        while not self._stopping:
+            # Block for work only while idle; between steps take whatever has arrived.
+            block = not self.engine.has_unfinished()
+            if self._drain(block):
+                self._publish(None)  # before anyone hears of what the commands did
+            self._end_aborted()
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                plan, result = self.engine.last_plan, self.engine.last_result
+                if plan.seqs:
+                    self.longest_step = max(self.longest_step, result.seconds)
+                    for observe in self._observers:
+                        observe(self.engine, plan, result, outputs)
+                self._publish(plan)
+                self._deliver([(out.request_id, out, out.finished) for out in outputs])
+                if self._aborted:  # a caller whose event loop closed meanwhile
+                    self._publish(None)
+                    self._end_aborted()
 
     def _publish(self, plan) -> None:
         """Occupancy, and when each running request last ran, as of now."""

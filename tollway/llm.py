@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from tqdm import tqdm
 
 from tollway.config import EngineConfig, SchedulerConfig
@@ -37,7 +38,8 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
+        # inference mode once for the loop, not once a step (ModelRunner.execute)
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar, torch.inference_mode():
             while len(results) < len(ids):
                 if not self.engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")

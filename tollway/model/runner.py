@@ -62,8 +62,17 @@ class ModelRunner:
             return None
         return populate_in_background([t for cache in self.caches for t in (cache.k, cache.v)])
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Runs the step under inference mode, entered here unless the calling thread is in it
+        already: a loop of steps enters it once (the server's engine thread does), for the guard
+        took 60-140 us of a 10 ms batch-1 step on the AVX2 EPYC, its code cold after the LM head
+        (steps alternating in one process)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(plan)
+        with torch.inference_mode():
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         if plan.kernel not in self.kernels:
             raise ValueError(f"kernel {plan.kernel!r} was not loaded (loaded: {sorted(self.kernels)})")
