@@ -16,7 +16,7 @@ from tollway.scheduler.plan import ScheduledSeq, StepPlan
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
 
-def _steps(vocab: int):
+def _steps(vocab: int, params: SamplingParams):
     """Four steps: two prefills; two decodes beside a 120-token prefill, long enough that the
     row-wise work and attention are split over the threads; two decodes beside the first chunk
     of a prefill, which samples nothing; and the rest of that prefill. The fused call runs its
@@ -24,7 +24,6 @@ def _steps(vocab: int):
     g = torch.Generator().manual_seed(7)
     ids = {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in (("a", 9), ("b", 20), ("c", 120),
                                                                                ("d", 40))}
-    params = SamplingParams(temperature=0, logprobs=5)
     tables = {"a": tuple(range(0, 8)), "b": tuple(range(8, 16)), "c": tuple(range(16, 48)), "d": tuple(range(48, 60))}
     first = [ScheduledSeq(r, "standard", tuple(ids[r]), 0, tables[r], True, params) for r in ("a", "b")]
     second = [ScheduledSeq(r, "standard", (ids[r][-1],), len(ids[r]), tables[r], True, params) for r in ("a", "b")]
@@ -35,27 +34,39 @@ def _steps(vocab: int):
     return [StepPlan(i, seqs, "q8") for i, seqs in enumerate((first, second, third, fourth))]
 
 
-def _run(loaded, cache, fused: bool, threads: int, kv_cache_dtype: str):
-    """Each step's tokens with their logprobs, and the KV caches after the last step."""
+def _run(loaded, cache, fused: str, threads: int, kv_cache_dtype: str, logprobs: int | None = 5):
+    """Each step's tokens with their logprobs, and the KV caches after the last step. `fused`:
+    "no" (layer by layer), "layers" (decoder_layers, then the head from Python) or "greedy"
+    (decoder_greedy: the embedding, the layers and the head's argmax in one call; no logprobs)."""
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                          torch.device("cpu"), {"q8"}, cache_dir=str(cache), kv_cache_dtype=kv_cache_dtype)
     assert runner.caches[0].k.dtype == {"float32": torch.float32, "float16": torch.float16}[kv_cache_dtype]
     ops, ran = runner.model.ops, []
-    fused_run = ops.run_layers
+    fused_run, greedy_step = ops.run_layers, ops.greedy_step
 
     def run_layers(*args):
-        ran.append(fused_run(*args) if fused else False)
+        if fused != "layers":
+            return False
+        ran.append(fused_run(*args))
         return ran[-1]
 
-    ops.run_layers = run_layers
+    def greedy(*args):
+        if fused != "greedy":
+            return None
+        tokens = greedy_step(*args)
+        ran.append(tokens is not None)
+        return tokens
+
+    ops.run_layers, ops.greedy_step = run_layers, greedy
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        steps = _steps(loaded.config.vocab_size)
+        params = SamplingParams(temperature=0, logprobs=logprobs)
+        steps = _steps(loaded.config.vocab_size, params)
         results = [runner.execute(plan).tokens for plan in steps]
     finally:
         torch.set_num_threads(before)
-    assert ran == [fused] * len(steps)  # the fused path really ran (or really did not)
+    assert ran == ([] if fused == "no" else [True] * len(steps))  # the fused path really ran (or really did not)
     assert [sorted(step) for step in results] == [["a", "b"], ["a", "b", "c"], ["a", "b"], ["d"]]
     tokens = [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()}
               for step in results]
@@ -73,9 +84,21 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, native_cache, name, kv_cache_dtype):
     loaded = load_weights(str(tiny_hf_models[name]), progress=False)
-    want = _run(loaded, native_cache, False, 2, kv_cache_dtype)
-    assert _same(_run(loaded, native_cache, True, 2, kv_cache_dtype), want)
-    assert _same(_run(loaded, native_cache, True, 1, kv_cache_dtype), want)
+    want = _run(loaded, native_cache, "no", 2, kv_cache_dtype)
+    assert _same(_run(loaded, native_cache, "layers", 2, kv_cache_dtype), want)
+    assert _same(_run(loaded, native_cache, "layers", 1, kv_cache_dtype), want)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_a_greedy_step_in_one_call_equals_the_layers_and_the_head_called_apart(tiny_hf_models, native_cache, name,
+                                                                                kv_cache_dtype):
+    """decoder_greedy (embedding rows, every layer, the final norm and the head's argmax in one
+    call) gives the tokens and caches of the same operations called one by one from Python."""
+    loaded = load_weights(str(tiny_hf_models[name]), progress=False)
+    want = _run(loaded, native_cache, "no", 2, kv_cache_dtype, logprobs=None)  # the head's argmax from Python
+    assert _same(_run(loaded, native_cache, "greedy", 2, kv_cache_dtype, logprobs=None), want)
+    assert _same(_run(loaded, native_cache, "greedy", 1, kv_cache_dtype, logprobs=None), want)
 
 
 def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, native_cache):

@@ -36,11 +36,25 @@ class DecoderModel:
     ops: TorchRowOps  # norms, attention and the rest between the matmuls
     final_logit_softcapping: float | None = None
 
+    embed_scale: torch.Tensor | None = None  # what the embedding rows are multiplied by, if anything
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states of the rows in `keep` (indices, ascending), or of every
         row; every row's K and V go to the caches either way."""
-        raise NotImplementedError
+        x = take_rows(self.embed, input_ids, self.embed_scale)
+        return self.run_layers(x, positions, caches, meta, kernel, keep)
+
+    def greedy_forward(self, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
+                       keep: torch.Tensor | None = None) -> list[int] | None:
+        """greedy_tokens(forward(...)) in one native call, where the row ops have one for this
+        kernel and the LM head's plain argmax kernel serves these rows; None, with nothing run,
+        where not. At batch 1 the Python between forward's call and the head's took 0.2-0.4 ms
+        of a 10 ms step on the AVX2 EPYC (row_ops.c's decoder_greedy)."""
+        native = self._argmax_head(kernel)
+        if native is None or native.prunes(len(input_ids) if keep is None else len(keep)):
+            return None
+        return self.ops.greedy_step(self, input_ids, caches, meta, kernel, keep)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
                    kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +78,14 @@ class DecoderModel:
         it has one (q8 on the CPU), without writing the logits; None where it has not. The same
         tokens either way: the same matmul, and the first column on ties, as torch.argmax. Not
         under softcapping: tanh can round two different logits to one value."""
-        head, native = self.lm_head, self.lm_head.packed(kernel)
-        if native is None or head.bias is not None or self.final_logit_softcapping:
+        native = self._argmax_head(kernel)
+        if native is None:
             return None
         return native.argmax(self.ops.rms_norm(hidden, self.final_norm, self.eps)).tolist()
+
+    def _argmax_head(self, kernel: str):
+        """The LM head's native packing where its argmax gives the greedy token, else None."""
+        native = self.lm_head.packed(kernel)
+        if native is None or self.lm_head.bias is not None or self.final_logit_softcapping:
+            return None
+        return native

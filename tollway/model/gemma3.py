@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tollway.model.decoder import DecoderModel, take_rows
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight
+from tollway.model.decoder import DecoderModel
+from tollway.model.layers import MLP, Attention, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
 
@@ -48,8 +48,3 @@ class Gemma3Model(DecoderModel):
         self.eps = cfg.rms_norm_eps
         self.lm_head = build.head("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")
         self.final_logit_softcapping = cfg.final_logit_softcapping
-
-    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
-                keep=None):
-        x = take_rows(self.embed, input_ids, self.embed_scale)
-        return self.run_layers(x, positions, caches, meta, kernel, keep)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tollway.model.decoder import DecoderModel, take_rows
-from tollway.model.layers import MLP, Attention, AttentionMetadata, KVCache, LinearBuilder, Rotary, norm_weight
+from tollway.model.decoder import DecoderModel
+from tollway.model.layers import MLP, Attention, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
 
@@ -39,8 +39,3 @@ class LlamaModel(DecoderModel):
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
         self.lm_head = build.head("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")
-
-    def forward(self, input_ids, positions, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
-                keep=None):
-        x = take_rows(self.embed, input_ids)
-        return self.run_layers(x, positions, caches, meta, kernel, keep)

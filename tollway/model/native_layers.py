@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
@@ -34,6 +35,11 @@ class _Layer(ctypes.Structure):  # row_ops.c's `layer`
                 ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("activation", _i32), ("kv_half", _i32)]
 
 
+class _Ends(ctypes.Structure):  # row_ops.c's `ends`
+    _fields_ = [("embed", _p), ("embed_scale", _p), ("final_norm", _p), ("eps", _f32), ("argmax", _p), ("head", _p),
+                ("vocab", _i64)]
+
+
 class _Step(ctypes.Structure):  # row_ops.c's `step`
     _fields_ = [("tokens", _i64), ("hidden", _i64), ("positions", _p), ("slots", _p), ("tables", _p),
                 ("table_rows", _p), ("table_width", _i64), ("block_size", _i64),
@@ -53,11 +59,16 @@ class NativeLayers:
         self.q8 = q8
         self._run = row_ops.decoder_layers
         self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], ctypes.c_int
+        self._greedy = row_ops.decoder_greedy
+        self._greedy.argtypes, self._greedy.restype = [_p, _i64, _p, _p, _p, _p, _p], ctypes.c_int
         self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in KINDS}
+        self._argmax = {kind: q8.address(f"{kind}_matmul_argmax") for kind in KINDS}
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
         self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
+        self._ends: dict[tuple[str, int], tuple[_Ends, object]] = {}  # likewise, by the model's id
         self._buffer = torch.empty(0)
+        self._tokens = np.empty(KEPT_SCRATCH_TOKENS, dtype=np.int64)  # decode-sized steps' greedy tokens
 
     def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
             keep: torch.Tensor | None = None) -> bool:
@@ -65,34 +76,71 @@ class NativeLayers:
         len(keep) rows are then those rows' outputs, and the last layer runs only their
         attention and MLP. False (nothing done) where this kernel has a layer without native
         weights, or the step does not carry the block tables."""
-        if meta.tables is None:
+        call = self._call(layers, caches, meta, kernel, x.shape[0], x.shape[1], keep)
+        if call is None:
             return False
+        described, step, _alive = call
+        if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
+            raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
+        return True
+
+    def run_greedy(self, model, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
+                   kernel: str, keep: torch.Tensor | None = None) -> list[int] | None:
+        """The greedy token of each row in `keep` (or of every row) of `model` (a DecoderModel whose
+        LM head has a native packing for `kernel`), from its embedding rows of `input_ids` to the
+        head's argmax, in one call; every row's K and V go to the caches. None (nothing done)
+        where `run` would return False."""
+        hidden = model.embed.shape[1]
+        call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep, with_x=True)
+        if call is None:
+            return None
+        described, step, alive = call
+        key = (kernel, id(model))
+        if key not in self._ends:
+            head = model.lm_head.packed(kernel)
+            self._ends[key] = (_Ends(model.embed.data_ptr(), pointer(model.embed_scale), pointer(model.final_norm),
+                                     model.eps, self._argmax[head.kind], head.data.data_ptr(), head.out_features), model)
+        rows = len(input_ids) if keep is None else len(keep)
+        tokens = self._tokens if rows <= len(self._tokens) else np.empty(rows, dtype=np.int64)
+        if self._greedy(described, len(model.layers), ctypes.byref(self._ends[key][0]), ctypes.byref(step),
+                        input_ids.data_ptr(), alive[-1], tokens.ctypes.data):
+            raise MemoryError("decoder_greedy: a matmul could not allocate its activation buffer")
+        return tokens[:rows].tolist()
+
+    def _call(self, layers: list, caches: list[KVCache], meta: AttentionMetadata, kernel: str, tokens: int,
+              hidden: int, keep: torch.Tensor | None, with_x: bool = False):
+        """(the layers' descriptors, the step, what must stay alive until the call returns: its
+        last item the address of x's rows in the scratch where `with_x`), or None where this
+        kernel has a layer without native weights, or the step does not carry the block tables."""
+        if meta.tables is None:
+            return None
         key = (kernel, id(caches))
         if key not in self._layers:
             self._layers[key] = (self._describe(layers, caches, kernel), caches)
         described = self._layers[key][0]
         if described is None:
-            return False
-        t, hidden = x.shape
-        scratch, rows = self._scratch(layers[0], t, hidden)  # alive until the call returns
-        kept = (0, None, None, None)
-        if keep is not None:  # alive until the call returns
+            return None
+        scratch, rows = self._scratch(layers[0], tokens, hidden)
+        alive, kept = [scratch], (0, None, None, None)
+        if keep is not None:
             kept_positions, kept_table_rows = meta.positions[keep], meta.table_rows[keep]
+            alive += [kept_positions, kept_table_rows]
             kept = (len(keep), keep.data_ptr(), kept_positions.data_ptr(), kept_table_rows.data_ptr())
-        step = _Step(t, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
-                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *kept, *rows,
+        step = _Step(tokens, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
+                     meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *kept, *rows[:-1],
                      self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
-        if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
-            raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
-        return True
+        if with_x:
+            alive.append(rows[-1])
+        return described, step, alive
 
     def _scratch(self, first, tokens: int, hidden: int) -> tuple[torch.Tensor, list[int]]:
-        """The step's scratch, and the addresses of its rows in _Step's order. Decode-sized steps reuse one
-        buffer, so they do not fault in fresh pages every step (3 MB of them at 64 decodes);
-        a long prefill's buffer is freed with its step, so it does not stay resident."""
+        """The step's scratch, and the addresses of its rows in _Step's order, then of x's rows
+        (for decoder_greedy). Decode-sized steps reuse one buffer, so they do not fault in fresh
+        pages every step (3 MB of them at 64 decodes); a long prefill's buffer is freed with its
+        step, so it does not stay resident."""
         d, width = first.attn.head_dim, first.mlp.width
         widths = (hidden, first.attn.qkv_proj.out_features, (first.attn.heads + first.attn.kv_heads) * d,
-                  first.attn.heads * d, hidden, 2 * width, width)
+                  first.attn.heads * d, hidden, 2 * width, width, hidden)
         need = tokens * sum(widths)
         if tokens > KEPT_SCRATCH_TOKENS:
             buffer = torch.empty(need)

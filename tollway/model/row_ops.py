@@ -73,6 +73,12 @@ class TorchRowOps:
         len(keep) rows are then those rows' outputs (see native_layers.py)."""
         return False
 
+    def greedy_step(self, model, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
+                    kernel: str, keep: torch.Tensor | None = None) -> list[int] | None:
+        """model.greedy_forward's tokens in one call, where this path has one; None: the caller
+        runs forward and then the head."""
+        return None
+
 
 class NativeRowOps(TorchRowOps):
     """The same operations through row_ops.c, for float32 tensors on the CPU."""
@@ -133,6 +139,9 @@ class NativeRowOps(TorchRowOps):
 
     def run_layers(self, layers, x, caches, meta, kernel, keep=None):
         return self._layers.run(layers, x, caches, meta, kernel, keep)
+
+    def greedy_step(self, model, input_ids, caches, meta, kernel, keep=None):
+        return self._layers.run_greedy(model, input_ids, caches, meta, kernel, keep)
 
 
 def _bind(fn, *argtypes):

@@ -82,10 +82,13 @@ class ModelRunner:
         sampled = [s for s in seqs if s.sample]
         rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
         keep = None if len(rows) == len(input_ids) else long_tensor(rows, self.device)
-        hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep)
+        greedy = bool(sampled) and only_argmax_needed(sampled)
+        argmax = self.model.greedy_forward(input_ids, self.caches, meta, plan.kernel, keep) if greedy else None
+        if argmax is None:
+            hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep)
+            argmax = self.model.greedy_tokens(hidden, plan.kernel) if greedy else None
         tokens, own = {}, {}
         if sampled:
-            argmax = self.model.greedy_tokens(hidden, plan.kernel) if only_argmax_needed(sampled) else None
             if argmax is not None:
                 picked = sample_greedy(argmax, sampled)
             else:

@@ -271,6 +271,11 @@ class PackedWeight:
     def argmax(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.argmax(x, self, isa)
 
+    def prunes(self, rows: int) -> bool:
+        """Whether argmax at `rows` rows takes the pruned way, or counts down a pause of it: else it
+        is the kind's plain argmax kernel alone."""
+        return self.pruning is not None and rows >= PRUNED_ARGMAX_ROWS
+
     def streamed_bytes(self, rows: int, isa: str | None = None) -> int:
         return self.library.streamed_bytes(self, rows, isa)
 
