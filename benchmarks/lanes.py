@@ -365,7 +365,8 @@ def markdown(r: dict, raw: str, png: str) -> str:
     ms = lambda v: "–" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
     st = r["settings"]
     lines = [
-        f"Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores, torch "
+        f"Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
+        f"{', '.join(m.get('isa_flags') or ['no AVX2'])}; torch "
         f"{m['torch_threads']} threads); load average {m['load_average_at_start']:.1f} at start, "
         f"{m['load_average_at_end']:.1f} at end. Raw: `{raw}`.",
         "",
