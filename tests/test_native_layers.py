@@ -2,7 +2,9 @@
 every architecture tollway runs, on one thread or several: tokens, logprobs and KV caches."""
 from __future__ import annotations
 
+import gc
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -99,6 +101,28 @@ def test_a_greedy_step_in_one_call_equals_the_layers_and_the_head_called_apart(t
     want = _run(loaded, native_cache, "no", 2, kv_cache_dtype, logprobs=None)  # the head's argmax from Python
     assert _same(_run(loaded, native_cache, "greedy", 2, kv_cache_dtype, logprobs=None), want)
     assert _same(_run(loaded, native_cache, "greedy", 1, kv_cache_dtype, logprobs=None), want)
+
+
+def test_a_model_is_freed_by_its_last_reference_after_a_greedy_step(tiny_hf_models, native_cache):
+    """The engine freezes the collector's generations once loaded (gc.freeze), so a reference cycle
+    through a model would keep its weights for good (the fused call's ends once held the model from
+    its own ops: a gigabyte per engine of the default model): no cycle may hold it."""
+    loaded = load_weights(str(tiny_hf_models["gemma3"]), progress=False)
+    runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                         torch.device("cpu"), {"q8"}, cache_dir=str(native_cache))
+    seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
+    greedy_step, ran = runner.model.ops.greedy_step, []
+    runner.model.ops.greedy_step = lambda *args: ran.append(greedy_step(*args)) or ran[-1]
+    assert len(runner.execute(StepPlan(0, [seq], "q8")).tokens["a"]) == 1
+    assert ran and ran[0] is not None  # the fused call ran
+    del runner.model.ops.greedy_step
+    model = weakref.ref(runner.model)
+    gc.disable()
+    try:
+        del runner
+        assert model() is None
+    finally:
+        gc.enable()
 
 
 def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, native_cache):

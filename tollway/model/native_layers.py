@@ -10,6 +10,7 @@ enough to pay for it.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class NativeLayers:
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
         self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
-        self._ends: dict[tuple[str, int], tuple[_Ends, object]] = {}  # likewise, by the model's id
+        self._ends: dict[str, tuple[_Ends, weakref.ref]] = {}  # kernel -> (the model's ends, the model)
         self._buffer = torch.empty(0)
         self._tokens = np.empty(KEPT_SCRATCH_TOKENS, dtype=np.int64)  # decode-sized steps' greedy tokens
 
@@ -95,15 +96,17 @@ class NativeLayers:
         if call is None:
             return None
         described, step, alive = call
-        key = (kernel, id(model))
-        if key not in self._ends:
+        ends, owner = self._ends.get(kernel, (None, None))
+        if owner is None or owner() is not model:
             head = model.lm_head.packed(kernel)
-            self._ends[key] = (_Ends(model.embed.data_ptr(), pointer(model.embed_scale), pointer(model.final_norm),
-                                     model.eps, self._argmax[head.kind], head.data.data_ptr(), head.out_features), model)
+            ends = _Ends(model.embed.data_ptr(), pointer(model.embed_scale), pointer(model.final_norm), model.eps,
+                         self._argmax[head.kind], head.data.data_ptr(), head.out_features)
+            # by a weak reference: the model holds these ops, so a strong one would keep both alive
+            self._ends[kernel] = (ends, weakref.ref(model))
         rows = len(input_ids) if keep is None else len(keep)
         tokens = self._tokens if rows <= len(self._tokens) else np.empty(rows, dtype=np.int64)
-        if self._greedy(described, len(model.layers), ctypes.byref(self._ends[key][0]), ctypes.byref(step),
-                        input_ids.data_ptr(), alive[-1], tokens.ctypes.data):
+        if self._greedy(described, len(model.layers), ctypes.byref(ends), ctypes.byref(step), input_ids.data_ptr(),
+                        alive[-1], tokens.ctypes.data):
             raise MemoryError("decoder_greedy: a matmul could not allocate its activation buffer")
         return tokens[:rows].tolist()
 
