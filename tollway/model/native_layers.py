@@ -80,7 +80,7 @@ class NativeLayers:
         call = self._call(layers, caches, meta, kernel, x.shape[0], x.shape[1], keep)
         if call is None:
             return False
-        described, step, _alive = call
+        described, step, _alive, _ = call
         if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
             raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
         return True
@@ -92,10 +92,10 @@ class NativeLayers:
         head's argmax, in one call; every row's K and V go to the caches. None (nothing done)
         where `run` would return False."""
         hidden = model.embed.shape[1]
-        call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep, with_x=True)
+        call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep)
         if call is None:
             return None
-        described, step, alive = call
+        described, step, _alive, x = call
         ends, owner = self._ends.get(kernel, (None, None))
         if owner is None or owner() is not model:
             head = model.lm_head.packed(kernel)
@@ -106,15 +106,15 @@ class NativeLayers:
         rows = len(input_ids) if keep is None else len(keep)
         tokens = self._tokens if rows <= len(self._tokens) else np.empty(rows, dtype=np.int64)
         if self._greedy(described, len(model.layers), ctypes.byref(ends), ctypes.byref(step), input_ids.data_ptr(),
-                        alive[-1], tokens.ctypes.data):
+                        x, tokens.ctypes.data):
             raise MemoryError("decoder_greedy: a matmul could not allocate its activation buffer")
         return tokens[:rows].tolist()
 
     def _call(self, layers: list, caches: list[KVCache], meta: AttentionMetadata, kernel: str, tokens: int,
-              hidden: int, keep: torch.Tensor | None, with_x: bool = False):
-        """(the layers' descriptors, the step, what must stay alive until the call returns: its
-        last item the address of x's rows in the scratch where `with_x`), or None where this
-        kernel has a layer without native weights, or the step does not carry the block tables."""
+              hidden: int, keep: torch.Tensor | None):
+        """(the layers' descriptors, the step, what must stay alive until the call returns, the
+        address of the scratch's rows for x (decoder_greedy's)), or None where this kernel has a
+        layer without native weights, or the step does not carry the block tables."""
         if meta.tables is None:
             return None
         key = (kernel, id(caches))
@@ -132,9 +132,7 @@ class NativeLayers:
         step = _Step(tokens, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
                      meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *kept, *rows[:-1],
                      self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
-        if with_x:
-            alive.append(rows[-1])
-        return described, step, alive
+        return described, step, alive, rows[-1]
 
     def _scratch(self, first, tokens: int, hidden: int) -> tuple[torch.Tensor, list[int]]:
         """The step's scratch, and the addresses of its rows in _Step's order, then of x's rows

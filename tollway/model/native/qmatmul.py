@@ -216,7 +216,7 @@ class Q8Library:
         writing the outputs: [M] int64."""
         x = _rows(x)
         p = weight.pruning
-        if p is not None and x.shape[0] >= PRUNED_ARGMAX_ROWS:
+        if weight.prunes(x.shape[0]):
             if not p.paused:
                 out, exact_rows = self.pruned_argmax(x, weight, isa)
                 p.paused = PRUNING_PAUSE_CALLS if exact_rows * 4 > x.shape[0] else 0
