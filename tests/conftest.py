@@ -15,8 +15,8 @@ from postgres_server import postgres, store_target  # noqa: F401 -- fixtures: on
 
 @pytest.fixture(scope="session")
 def default_weights() -> LoadedModel:
-    """The embedded Gemma 3 270M, through the user's converted-weights cache ($TOLLWAY_CACHE honoured)."""
-    return load_weights(None, progress=False)
+    """The embedded Gemma 3 270M, read in place (its tokenizer through the user cache, $TOLLWAY_CACHE honoured)."""
+    return load_weights(None)
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_one_call_for_all_layers_equals_layer_by_layer(tiny_hf_models, native_cache, name, kv_cache_dtype):
-    loaded = load_weights(str(tiny_hf_models[name]), progress=False)
+    loaded = load_weights(str(tiny_hf_models[name]))
     want = _run(loaded, native_cache, "no", 2, kv_cache_dtype)
     assert _same(_run(loaded, native_cache, "layers", 2, kv_cache_dtype), want)
     assert _same(_run(loaded, native_cache, "layers", 1, kv_cache_dtype), want)
@@ -97,7 +97,7 @@ def test_a_greedy_step_in_one_call_equals_the_layers_and_the_head_called_apart(t
                                                                                 kv_cache_dtype):
     """decoder_greedy (embedding rows, every layer, the final norm and the head's argmax in one
     call) gives the tokens and caches of the same operations called one by one from Python."""
-    loaded = load_weights(str(tiny_hf_models[name]), progress=False)
+    loaded = load_weights(str(tiny_hf_models[name]))
     want = _run(loaded, native_cache, "no", 2, kv_cache_dtype, logprobs=None)  # the head's argmax from Python
     assert _same(_run(loaded, native_cache, "greedy", 2, kv_cache_dtype, logprobs=None), want)
     assert _same(_run(loaded, native_cache, "greedy", 1, kv_cache_dtype, logprobs=None), want)
@@ -107,7 +107,7 @@ def test_a_model_is_freed_by_its_last_reference_after_a_greedy_step(tiny_hf_mode
     """The engine freezes the collector's generations once loaded (gc.freeze), so a reference cycle
     through a model would keep its weights for good (the fused call's ends once held the model from
     its own ops: a gigabyte per engine of the default model): no cycle may hold it."""
-    loaded = load_weights(str(tiny_hf_models["gemma3"]), progress=False)
+    loaded = load_weights(str(tiny_hf_models["gemma3"]))
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                          torch.device("cpu"), {"q8"}, cache_dir=str(native_cache))
     seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
@@ -126,7 +126,7 @@ def test_a_model_is_freed_by_its_last_reference_after_a_greedy_step(tiny_hf_mode
 
 
 def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, native_cache):
-    loaded = load_weights(str(tiny_hf_models["llama"]), progress=False)
+    loaded = load_weights(str(tiny_hf_models["llama"]))
     runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                          torch.device("cpu"), {"fp32"}, cache_dir=str(native_cache))
     seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
@@ -138,7 +138,7 @@ def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, nat
 
 
 def test_an_unknown_kv_cache_dtype_is_refused(tiny_hf_models):
-    loaded = load_weights(str(tiny_hf_models["llama"]), progress=False)
+    loaded = load_weights(str(tiny_hf_models["llama"]))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
         ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
                     torch.device("cpu"), {"q8"}, kv_cache_dtype="fp8")

@@ -80,7 +80,7 @@ def test_tiny_models_match_transformers_logits(tiny_hf_models, name):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_hf_models[name]
-    loaded = load_weights(str(folder), progress=False)
+    loaded = load_weights(str(folder))
     ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     torch.manual_seed(0)
     ids = torch.randint(0, loaded.config.vocab_size, (24,)).tolist()

@@ -129,7 +129,7 @@ def test_incremental_detokenizer_random_ids(default_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir(tiny_gguf, tmp_path_factory):
-    return load_weights(tiny_gguf, cache_dir=tmp_path_factory.mktemp("cache"), progress=False).tokenizer_path
+    return load_weights(tiny_gguf, cache_dir=tmp_path_factory.mktemp("cache")).tokenizer_path
 
 
 def test_tiny_gguf_tokenizer(tiny_tokenizer_dir):

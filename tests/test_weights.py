@@ -1,4 +1,4 @@
-"""Weight loading: GGUF conversion and its cache, HF folders, configs, errors."""
+"""Weight loading: GGUF files read in place, the tokenizer's cache, HF folders, configs, errors."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from tollway.gguf_file import GGUFFile
-from tollway.model import weights
+from tollway import checkpoint
 from tollway.model_config import ModelConfig, UnsupportedModelError
 from tollway.checkpoint import ModelNotFoundError
-from tollway.model.weights import expected_tensor_shapes, load_weights
+from tollway.model.weights import GGUFWeight, expected_tensor_shapes, load_weights
 
 
 # --- the embedded default (Gemma 3 270M, Q4_K_M GGUF) -------------------------------------------
@@ -41,19 +41,36 @@ def test_default_model_tensors(default_weights):
     assert tensors.keys() == shapes.keys()
     assert "lm_head.weight" not in tensors
     for name, t in tensors.items():
-        assert t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == shapes[name], name
+        assert tuple(t.shape) == shapes[name], name
+        if len(shapes[name]) == 1:  # norms: float32 of our own
+            assert t.dtype == torch.float32 and t.is_contiguous(), name
     assert default_weights.tokenizer_path is not None
     assert default_weights.source.suffix == ".gguf"
 
 
-def test_second_load_comes_from_cache_fast_and_identical(default_weights):
-    again = load_weights(None, progress=False)
-    assert again.from_cache
+def test_quantized_tensors_stay_the_files_blocks_in_place(default_weights):
+    """No float32 copy of a quantized tensor: each is a view of the file's memory map, at its type's
+    width, and nothing of the weights is written to the cache."""
+    quantized = {n: t for n, t in default_weights.tensors.items() if isinstance(t, GGUFWeight)}
+    assert len(quantized) == len([s for s in expected_tensor_shapes(default_weights.config).values() if len(s) == 2])
+    file_bytes = default_weights.source.stat().st_size
+    assert sum(t.nbytes for t in quantized.values()) < file_bytes
+    for name, t in quantized.items():
+        assert not t.blocks.flags.owndata and not t.blocks.flags.writeable, name  # the map's own bytes
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.gguf_type]
+        assert t.blocks.shape == (t.shape[0], t.shape[1] // block * block_bytes), name
+    assert {t.gguf_type.name for t in quantized.values()} >= {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    assert list(default_weights.tokenizer_path.iterdir())  # the tokenizer alone is cached
+    assert not list(default_weights.tokenizer_path.glob("*.safetensors"))
+
+
+def test_second_load_is_fast_and_identical(default_weights):
+    again = load_weights(None)
     assert again.load_seconds < 5.0
     assert again.config == default_weights.config
     assert again.tensors.keys() == default_weights.tensors.keys()
     for name, t in default_weights.tensors.items():
-        assert torch.equal(again.tensors[name], t), name
+        assert torch.equal(again.tensors[name].float(), t.float()), name
 
 
 _GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -125,18 +142,28 @@ def _q5_0_reference(raw: np.ndarray, rows: int) -> np.ndarray:
     return (scale * ((low | (bits << 4)).astype(np.float32) - 16)).reshape(rows, -1)
 
 
-def test_dequantized_values_match_references(default_weights, default_gguf_tensors):
+def test_dequantized_values_match_references(default_weights, default_gguf_tensors, native_library):
+    """Each quantized tensor's values, as GGUFWeight.float() gives them and as the native row reader
+    (the embedding's) decodes the file's blocks, equal references written apart from both."""
     from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
 
     converted = default_weights.tensors
     raw = default_gguf_tensors
+    ids = torch.tensor([0, 1, 5, 255, 3, 0])
+
+    def rows_read(hf_name):
+        t = converted[hf_name]
+        return native_library.gguf_rows(t.gguf_type.value, t.blocks, t.shape[1], ids).numpy()
+
     assert raw["token_embd.weight"][0] == "Q8_0"
     embed = _q8_0_reference(raw["token_embd.weight"][1], 262144)
-    assert np.array_equal(converted["model.embed_tokens.weight"].numpy(), embed)
+    assert np.array_equal(converted["model.embed_tokens.weight"].float().numpy(), embed)
+    assert np.array_equal(rows_read("model.embed_tokens.weight"), embed[ids])
 
     assert raw["blk.0.attn_k.weight"][0] == "Q5_0"
     k_proj = _q5_0_reference(raw["blk.0.attn_k.weight"][1], 256)
-    assert np.array_equal(converted["model.layers.0.self_attn.k_proj.weight"].numpy(), k_proj)
+    assert np.array_equal(converted["model.layers.0.self_attn.k_proj.weight"].float().numpy(), k_proj)
+    assert np.array_equal(rows_read("model.layers.0.self_attn.k_proj.weight"), k_proj[ids])
 
     # K-quants against transformers' torch dequantizer (an implementation independent of gguf-py)
     for gguf_name, hf_name, qtype in [("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight", "Q4_K"),
@@ -144,7 +171,9 @@ def test_dequantized_values_match_references(default_weights, default_gguf_tenso
         type_name, data = raw[gguf_name]
         assert type_name == qtype
         ref = transformers_dequantize(torch.from_numpy(data.copy()), getattr(gguf.GGMLQuantizationType, qtype).value)
-        assert torch.equal(converted[hf_name], ref.reshape(converted[hf_name].shape)), hf_name
+        ref = ref.reshape(converted[hf_name].shape)
+        assert torch.equal(converted[hf_name].float(), ref), hf_name
+        assert np.array_equal(rows_read(hf_name), ref[ids].numpy()), hf_name
 
     # Gemma norms are stored as 1 + w; HF (and transformers' GGUF loader) keeps w.
     for gguf_name, hf_name in [("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
@@ -169,19 +198,19 @@ def _assert_matches_hf(loaded, hf):
             q8 = gguf.GGMLQuantizationType.Q8_0
             t = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q8), q8))
             assert not torch.equal(t, hf[name])
-        assert torch.equal(loaded.tensors[name], t), name
+        assert torch.equal(loaded.tensors[name].float(), t), name
 
 
-def test_tiny_gguf_converts_to_hf_tensors_and_caches(tiny_gguf, tiny_hf_models, tmp_path):
+def test_tiny_gguf_loads_as_hf_tensors_and_caches_only_its_tokenizer(tiny_gguf, tiny_hf_models, tmp_path):
     hf = _hf_tensors(tiny_hf_models["llama"])
-    first = load_weights(tiny_gguf, cache_dir=tmp_path, progress=False)
-    assert not first.from_cache
+    first = load_weights(tiny_gguf, cache_dir=tmp_path)
     _assert_matches_hf(first, hf)  # q/k equal only if llama.cpp's rotary permutation was undone
+    assert isinstance(first.tensors["model.layers.0.mlp.up_proj.weight"], GGUFWeight)
     hf_config = ModelConfig.from_hf_config(json.loads((tiny_hf_models["llama"] / "config.json").read_text()))
     assert first.config.to_dict() | {"rms_norm_eps": 1e-6} == hf_config.to_dict()
 
-    second = load_weights(tiny_gguf, cache_dir=tmp_path, progress=False)
-    assert second.from_cache and second.config == first.config
+    second = load_weights(tiny_gguf, cache_dir=tmp_path)
+    assert second.config == first.config and second.tokenizer_path == first.tokenizer_path
     _assert_matches_hf(second, hf)
     assert (second.tokenizer_path / "tokenizer.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == [second.tokenizer_path.name]  # no temp folders left
@@ -189,52 +218,32 @@ def test_tiny_gguf_converts_to_hf_tensors_and_caches(tiny_gguf, tiny_hf_models, 
 
 def test_cache_dir_from_environment(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("TOLLWAY_CACHE", str(tmp_path / "env"))
-    loaded = load_weights(tiny_gguf, progress=False)
+    loaded = load_weights(tiny_gguf)
     assert loaded.tokenizer_path.parent == tmp_path / "env"
-    explicit = load_weights(tiny_gguf, cache_dir=tmp_path / "arg", progress=False)
-    assert explicit.tokenizer_path.parent == tmp_path / "arg" and not explicit.from_cache
+    explicit = load_weights(tiny_gguf, cache_dir=tmp_path / "arg")
+    assert explicit.tokenizer_path.parent == tmp_path / "arg"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "corrupt_header", "delete_manifest"])
-def test_damaged_cache_is_detected_and_rebuilt(tiny_gguf, tiny_hf_models, tmp_path, damage):
-    folder = load_weights(tiny_gguf, cache_dir=tmp_path, progress=False).tokenizer_path
-    data = folder / "model.safetensors"
-    if damage == "truncate":
-        with open(data, "r+b") as f:
-            f.truncate(data.stat().st_size // 2)
-    elif damage == "corrupt_header":  # same size, so only reading it can tell
-        with open(data, "r+b") as f:
-            f.write(b"\xff" * 16)
-    else:
-        (folder / "manifest.json").unlink()
-
-    rebuilt = load_weights(tiny_gguf, cache_dir=tmp_path, progress=False)
-    assert not rebuilt.from_cache
-    _assert_matches_hf(rebuilt, _hf_tensors(tiny_hf_models["llama"]))
-    assert load_weights(tiny_gguf, cache_dir=tmp_path, progress=False).from_cache
-    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
-
-
-def test_interrupted_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):
+def test_interrupted_tokenizer_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):
     def fail(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(weights, "save_gguf_tokenizer", fail)
+    monkeypatch.setattr(checkpoint, "save_gguf_tokenizer", fail)
     with pytest.raises(KeyboardInterrupt):
-        load_weights(tiny_gguf, cache_dir=tmp_path, progress=False)
+        load_weights(tiny_gguf, cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
-    assert not load_weights(tiny_gguf, cache_dir=tmp_path, progress=False).from_cache
+    assert (load_weights(tiny_gguf, cache_dir=tmp_path).tokenizer_path / "tokenizer.json").is_file()
 
 
 def test_changed_source_file_gets_a_new_cache_entry(tiny_gguf, tmp_path):
     copy = tmp_path / "model.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())
     cache = tmp_path / "cache"
-    assert not load_weights(copy, cache_dir=cache, progress=False).from_cache
+    first = load_weights(copy, cache_dir=cache).tokenizer_path
     stat = copy.stat()
     os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert not load_weights(copy, cache_dir=cache, progress=False).from_cache
+    assert load_weights(copy, cache_dir=cache).tokenizer_path != first
 
 
 def _write_gguf(path, arch: str, rope_freqs: np.ndarray | None = None) -> None:
@@ -268,7 +277,7 @@ def test_hf_folders_load_with_canonical_names(tiny_hf_models):
     for name, folder in tiny_hf_models.items():
         loaded = load_weights(folder)
         config = loaded.config
-        assert not loaded.from_cache and loaded.tokenizer_path is None and loaded.source == folder.resolve()
+        assert loaded.tokenizer_path is None and loaded.source == folder.resolve()
         assert loaded.tensors.keys() == expected_tensor_shapes(config).keys(), name
         for key, t in _hf_tensors(folder).items():
             assert loaded.tensors[key].dtype == torch.float32
@@ -327,7 +336,7 @@ def test_unsupported_architecture(tmp_path):
 
     _write_gguf(tmp_path / "phi.gguf", "phi3")
     with pytest.raises(UnsupportedModelError, match="'phi3'"):
-        load_weights(tmp_path / "phi.gguf", cache_dir=tmp_path / "cache", progress=False)
+        load_weights(tmp_path / "phi.gguf", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 

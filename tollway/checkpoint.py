@@ -1,6 +1,6 @@
-"""Which checkpoint a model name means, and where its converted files are cached: read without
-torch, so that `tollway simulate` and `tollway bench` can find a model's shapes and tokenizer
-without loading its weights (model/weights.py loads them)."""
+"""Which checkpoint a model name means, and where what is derived from it is cached (a GGUF's
+tokenizer, converted once): read without torch, so that `tollway simulate` and `tollway bench` can
+find a model's shapes and tokenizer without loading its weights (model/weights.py loads them)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +18,8 @@ from tollway.model_config import ModelConfig
 from tollway.text.tokenizer import save_gguf_tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
-# Bump when the cached layout or the conversion changes, so stale caches are rebuilt, not misread.
-CACHE_FORMAT = 1
+# Bump when what is cached from a file changes, so stale caches are rebuilt, not misread.
+CACHE_FORMAT = 2
 
 _log = logging.getLogger(__name__)
 
@@ -45,32 +45,20 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted weights live: cache_dir, else $TOLLWAY_CACHE, else the user cache dir."""
+    """Where derived files live: cache_dir, else $TOLLWAY_CACHE, else the user cache dir."""
     return Path(cache_dir or os.environ.get("TOLLWAY_CACHE") or platformdirs.user_cache_dir("tollway"))
 
 
 def cache_folder(path: Path, root: Path) -> Path:
-    """The folder a GGUF file's converted weights go to: keyed by its path, size and mtime."""
+    """The folder of what is derived from a file: keyed by its path, size and mtime."""
     stat = path.stat()
     key = f"{CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
     return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def cache_complete(folder: Path) -> bool:
-    """Whether the manifest, written last, is there and every file it lists has its recorded size."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        files = manifest["files"]
-        return manifest["format"] == CACHE_FORMAT and "model.safetensors" in files and all(
-            (folder / name).stat().st_size == size for name, size in files.items()
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
 def derived_cache_file(source: Path, cache_dir: str | os.PathLike | None, name: str) -> Path:
-    """Where to keep something derived from `source` (e.g. int8 weights): beside its converted
-    weights, so deleting the cache, or changing the source, drops it too."""
+    """Where to keep something derived from `source` (e.g. int8 weights): in its folder, so
+    deleting the cache, or changing the source, drops it too."""
     return cache_folder(source, cache_root(cache_dir)) / name
 
 
@@ -79,22 +67,17 @@ def model_config(model: str | os.PathLike | None, cache_dir: str | os.PathLike |
     source = resolve_model(model)
     if source.is_dir():
         return ModelConfig.from_hf_config(json.loads((source / "config.json").read_text()))
-    folder = cache_folder(source, cache_root(cache_dir))
-    if cache_complete(folder):
-        return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
     return ModelConfig.from_gguf(GGUFFile(source))
 
 
 def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path | None:
     """The folder Tokenizer.load reads for `model`, without loading its weights; None when the
-    checkpoint has no tokenizer. A GGUF whose weights were never converted has its tokenizer
-    alone written once beside where they would go: seconds, where converting takes a minute."""
+    checkpoint has no tokenizer. A GGUF's is converted from the file's vocabulary once (seconds,
+    for a 262k vocabulary) and kept in the cache."""
     source = resolve_model(model)
     if source.is_dir():
         return source if (source / "tokenizer.json").is_file() else None
     folder = cache_folder(source, cache_root(cache_dir))
-    if cache_complete(folder):
-        return folder if (folder / "tokenizer.json").is_file() else None
     alone = folder.with_name(f"{folder.name}-tokenizer")
     if (alone / "tokenizer.json").is_file():
         return alone

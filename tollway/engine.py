@@ -54,7 +54,7 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         with tqdm(total=4, desc="loading model", unit="stage", disable=not progress, leave=False) as bar:
-            loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir, progress=progress)
+            loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir)
             bar.update()
             self.model_config = loaded.config
             if self.device.type == "cuda" and sched.kernel == "auto":
@@ -73,6 +73,7 @@ class Engine:
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),
                     cache_dir=config.cache_dir, kv_cache_dtype=config.kv_cache_dtype)
+                loaded.release_pages()  # packed now: the file's pages are read again only for embedding rows
                 bar.update()
                 if sched.kernel == "auto" and sched.int8_max_tokens is None:
                     bar.set_description("int8/dense crossover")

@@ -14,6 +14,7 @@ general.alignment (32 unless given). A string is a u64 length and its UTF-8 byte
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,12 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:
+            try:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                raise ValueError(f"{self.path} is not a GGUF file (it is empty)") from None
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
         self._buf = memoryview(self._map)
         self._at = 0
         try:
@@ -94,6 +100,11 @@ class GGUFFile:
         if at + nbytes > len(self._map):
             raise ValueError(f"{self.path} is cut short: tensor {name} ends past the end of the file")
         return GGUFTensor(name, kind, dims, self._map[at:at + nbytes].view(dtype).reshape(shape))
+
+    def release_pages(self) -> None:
+        """Drops this process's pages of the file (they stay in the page cache): what was read
+        stops counting as its resident memory, and a later read faults the page in again."""
+        self._mmap.madvise(mmap.MADV_DONTNEED)
 
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._buf, self._at)

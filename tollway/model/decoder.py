@@ -3,22 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from tollway.model.embedding import Embedding
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
 from tollway.model.row_ops import TorchRowOps
 
 
-def take_rows(t: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """t[index] along the first dimension, times `scale` (a 0-d tensor of t's dtype) if given.
-    On the CPU through numpy: torch runs a decode step's gathers on its OpenMP pool, whose
-    threads then spin on the cores the native kernels need (measured at b64: 0.7 ms for the
-    gathers, then 4% of the step's CPU spinning)."""
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] along the first dimension. On the CPU through numpy: torch runs a decode step's
+    gathers on its OpenMP pool, whose threads then spin on the cores the native kernels need."""
     if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int64):
-        rows = t.index_select(0, index)
-        return rows if scale is None else rows * scale
-    rows = t.numpy()[index.numpy()]
-    if scale is not None:
-        rows *= scale.numpy()  # the same IEEE product as torch's
-    return torch.from_numpy(rows)
+        return t.index_select(0, index)
+    return torch.from_numpy(t.numpy()[index.numpy()])
 
 
 class DecoderModel:
@@ -29,20 +24,18 @@ class DecoderModel:
     # each with .attn (qkv_proj, o_proj), .mlp (gate_up, down) and .norms: (input, post-attention,
     # pre-MLP, post-MLP) weights, None where the block has no such norm
     layers: list
-    embed: torch.Tensor
+    embed: Embedding
     lm_head: Linear
     final_norm: torch.Tensor
     eps: float
     ops: TorchRowOps  # norms, attention and the rest between the matmuls
     final_logit_softcapping: float | None = None
 
-    embed_scale: torch.Tensor | None = None  # what the embedding rows are multiplied by, if anything
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states of the rows in `keep` (indices, ascending), or of every
         row; every row's K and V go to the caches either way."""
-        x = take_rows(self.embed, input_ids, self.embed_scale)
+        x = self.embed.rows(input_ids)
         return self.run_layers(x, positions, caches, meta, kernel, keep)
 
     def greedy_forward(self, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
+from tollway.model.embedding import Embedding
 from tollway.model.layers import MLP, Attention, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
@@ -42,8 +43,7 @@ class Gemma3Model(DecoderModel):
         self.ops = ops
         self.layers = [Gemma3Layer(tensors, build, i, cfg, rotary[cfg.layer_types[i]], ops, device)
                        for i in range(cfg.num_layers)]
-        self.embed = tensors["model.embed_tokens.weight"].float().to(device)
-        self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float32, device=device)
+        self.embed = Embedding(tensors["model.embed_tokens.weight"], cfg.embed_scale, device, build.q8)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 1.0, device)
         self.eps = cfg.rms_norm_eps
         self.lm_head = build.head("lm_head" if "lm_head.weight" in tensors else "model.embed_tokens")

@@ -5,15 +5,19 @@ dtype with the step's kernel, so the kernel choice is a per-step decision.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tollway.model.host_memory import HugePageArena, huge_page_empty
+from tollway.model.native.qmatmul import GGUF_KINDS
+from tollway.model.weights import GGUFWeight
 from tollway.scheduler.step_model import ROW_GROUP
 
 if TYPE_CHECKING:
@@ -39,29 +43,31 @@ def norm_weight(weight: torch.Tensor, offset: float, device: torch.device) -> to
 class Linear:
     """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick.
 
-    q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given and
-    in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for it. Its
-    copy is packed as exactly as the weight allows: 4-bit with a scale and min per block of 32 where
-    every block is so (a GGUF's Q4_K), 5-bit with a scale where every block is so (Q5_0), else
-    int8 blocks (exact for Q8_0 and Q4_0)."""
+    q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given: `native`,
+    a GGUF weight packed at its own width, or else `weight` (float) packed as int8 blocks where
+    in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for it.
+    `weight` is a function giving the float weight, called only where a copy needs it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None,
-                 arena: HugePageArena | None = None):
-        w = weight.float()
-        self.out_features, self.in_features = w.shape
+    def __init__(self, weight, shape: tuple[int, int], bias: torch.Tensor | None, kernels: set[str],
+                 device: torch.device, int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 q8: Q8Library | None = None, arena: HugePageArena | None = None, native=None):
+        self.out_features, self.in_features = shape
         self.bias = bias.float().to(device) if bias is not None else None
-        self.native = self._packed(q8, w, arena) if "q8" in kernels and q8 is not None else None
-        self.fp32 = w.to(device) if "fp32" in kernels or ("q8" in kernels and self.native is None) else None
-        self.bf16 = w.to(torch.bfloat16).to(device) if "bf16" in kernels else None
+        wants_native = "q8" in kernels and q8 is not None
+        if wants_native and native is None:
+            native = self._packed(q8, weight(), arena)
+        self.native = native if wants_native else None
+        dense = "fp32" in kernels or ("q8" in kernels and self.native is None)
+        self.fp32 = weight().float().to(device) if dense else None
+        self.bf16 = weight().to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
         if "int8" in kernels:
-            q, scales = int8 if int8 is not None else quantize_int8(w)
+            q, scales = int8 if int8 is not None else quantize_int8(weight().float())
             self.int8, self.int8_scales = q.to(device), scales.to(device)
 
     def _packed(self, q8: Q8Library, w: torch.Tensor, arena: HugePageArena | None):
         try:
-            return q8.pack_q4(w, arena) or q8.pack_q5(w, arena) or q8.pack(w, arena)
+            return q8.pack(w, arena)
         except ValueError as exc:  # shapes or values the kernel does not cover
             _log.warning("q8: a %dx%d linear runs the fp32 matmul: %s", self.out_features, self.in_features, exc)
             return None
@@ -94,10 +100,13 @@ def _padded_rows(x: torch.Tensor, fn) -> torch.Tensor:
 
 class LinearBuilder:
     """Makes Linear layers from named weights, concatenating several names into one matmul
-    (q/k/v, gate/up). int8 copies are taken from `int8` when there and added to it when not,
-    so the runner can keep them on disk: quantizing 270M weights takes seconds at every start."""
+    (q/k/v, gate/up). A GGUF's weights are packed from the file's blocks at their own width, parts
+    of different types each in its own format (Q8Library.pack_parts); a type without a native
+    format runs the fp32 matmul, with one log line. int8 copies are taken from `int8` when there
+    and added to it when not, so the runner can keep them on disk: quantizing 270M weights takes
+    seconds at every start."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], kernels: set[str], device: torch.device,
+    def __init__(self, tensors: dict, kernels: set[str], device: torch.device,
                  int8: dict[str, torch.Tensor], q8: Q8Library | None = None):
         self.tensors, self.kernels, self.device, self.int8, self.q8 = tensors, kernels, device, int8, q8
         self.arena = HugePageArena()  # the native weights, one after another in huge pages
@@ -105,13 +114,32 @@ class LinearBuilder:
 
     def __call__(self, *names: str) -> Linear:
         t = self.tensors
-        weight = torch.cat([t[f"{n}.weight"] for n in names]) if len(names) > 1 else t[f"{names[0]}.weight"]
+        weights = [t[f"{n}.weight"] for n in names]
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
         bias = torch.cat([t[f"{n}.bias"] for n in names]) if f"{names[0]}.bias" in t else None
         int8 = None
         if "int8" in self.kernels:
             parts = [self._int8(n) for n in names]
             int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
-        return Linear(weight, bias, self.kernels, self.device, int8, self.q8, self.arena)
+        native = self._gguf_packed(names, weights) if "q8" in self.kernels and self.q8 is not None else None
+        return Linear(lambda: torch.cat([w.float() for w in weights]) if len(weights) > 1 else weights[0].float(),
+                      shape, bias, self.kernels, self.device, int8, self.q8, self.arena, native)
+
+    def _gguf_packed(self, names: tuple[str, ...], weights: list):
+        """The GGUF weights `weights` packed as they are, or None where they are not all GGUF
+        weights of types with a native format (logged for the types)."""
+        if not all(isinstance(w, GGUFWeight) for w in weights):
+            return None
+        missing = [f"{n} ({w.gguf_type.name})" for n, w in zip(names, weights) if w.gguf_type.name not in GGUF_KINDS]
+        if missing:
+            _log.warning("no native kernel for %s: the fp32 matmul runs it", ", ".join(missing))
+            return None
+        runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: w.gguf_type)]
+        parts = []
+        for run in runs:  # neighbours of one type stacked into one packing
+            blocks = np.concatenate([w.blocks for w in run]) if len(run) > 1 else run[0].blocks
+            parts.append(self.q8.pack_gguf(run[0].gguf_type.name, blocks, len(blocks), run[0].shape[1], self.arena))
+        return parts[0] if len(parts) == 1 else self.q8.pack_parts(parts)
 
     def head(self, name: str) -> Linear:
         """The LM head: a Linear whose q8 copy finds greedy tokens on pruning copies of itself where

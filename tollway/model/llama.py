@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tollway.model.decoder import DecoderModel
+from tollway.model.embedding import Embedding
 from tollway.model.layers import MLP, Attention, LinearBuilder, Rotary, norm_weight
 from tollway.model.row_ops import TorchRowOps
 
@@ -35,7 +36,7 @@ class LlamaModel(DecoderModel):
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, device)
         self.ops = ops
         self.layers = [LlamaLayer(tensors, build, i, cfg, rotary, ops, device) for i in range(cfg.num_layers)]
-        self.embed = tensors["model.embed_tokens.weight"].float().to(device)
+        self.embed = Embedding(tensors["model.embed_tokens.weight"], None, device, build.q8)
         self.final_norm = norm_weight(tensors["model.norm.weight"], 0.0, device)
         self.eps = cfg.rms_norm_eps
         self.lm_head = build.head("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
-from tollway.model.native.qmatmul import ISAS, KINDS, Q8Library
+from tollway.model.native.qmatmul import ISAS, KINDS, PARTS, Q8Library
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # row_ops.c's gated_act kinds
 KEPT_SCRATCH_TOKENS = 256
@@ -37,8 +37,8 @@ class _Layer(ctypes.Structure):  # row_ops.c's `layer`
 
 
 class _Ends(ctypes.Structure):  # row_ops.c's `ends`
-    _fields_ = [("embed", _p), ("embed_scale", _p), ("final_norm", _p), ("eps", _f32), ("argmax", _p), ("head", _p),
-                ("vocab", _i64)]
+    _fields_ = [("embed_rows", _p), ("embed", _p), ("embed_row_bytes", _i64), ("embed_type", _i32), ("embed_scale", _p),
+                ("final_norm", _p), ("eps", _f32), ("argmax", _p), ("head", _p), ("vocab", _i64)]
 
 
 class _Step(ctypes.Structure):  # row_ops.c's `step`
@@ -62,7 +62,8 @@ class NativeLayers:
         self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], ctypes.c_int
         self._greedy = row_ops.decoder_greedy
         self._greedy.argtypes, self._greedy.restype = [_p, _i64, _p, _p, _p, _p, _p], ctypes.c_int
-        self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in KINDS}
+        self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in (*KINDS, PARTS)}
+        self._embed_rows = q8.address("gguf_rows")
         self._argmax = {kind: q8.address(f"{kind}_matmul_argmax") for kind in KINDS}
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
@@ -91,7 +92,9 @@ class NativeLayers:
         LM head has a native packing for `kernel`), from its embedding rows of `input_ids` to the
         head's argmax, in one call; every row's K and V go to the caches. None (nothing done)
         where `run` would return False."""
-        hidden = model.embed.shape[1]
+        hidden = model.embed.hidden
+        if model.embed.table is None:
+            return None
         call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep)
         if call is None:
             return None
@@ -99,8 +102,10 @@ class NativeLayers:
         ends, owner = self._ends.get(kernel, (None, None))
         if owner is None or owner() is not model:
             head = model.lm_head.packed(kernel)
-            ends = _Ends(model.embed.data_ptr(), pointer(model.embed_scale), pointer(model.final_norm), model.eps,
-                         self._argmax[head.kind], head.data.data_ptr(), head.out_features)
+            embed = model.embed
+            ends = _Ends(self._embed_rows, embed.address, embed.row_bytes, embed.type_code, pointer(embed.scale),
+                         pointer(model.final_norm), model.eps, self._argmax[head.kind], head.data.data_ptr(),
+                         head.out_features)
             # by a weak reference: the model holds these ops, so a strong one would keep both alive
             self._ends[kernel] = (ends, weakref.ref(model))
         rows = len(input_ids) if keep is None else len(keep)

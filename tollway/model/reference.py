@@ -24,7 +24,7 @@ def transformers_gemma3(loaded: LoadedModel, attn_implementation: str = "eager",
         attn_implementation=attn_implementation, dtype=torch.float32,
     )
     model = Gemma3ForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(loaded.tensors, strict=False)
+    missing, unexpected = model.load_state_dict(loaded.float_tensors(), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"weights do not fit transformers' Gemma 3: missing {missing}, unexpected {unexpected}")
     model.tie_weights()

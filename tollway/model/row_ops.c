@@ -736,11 +736,17 @@ typedef struct {
 
 /* The model's two ends, for a greedy step run whole in one call (decoder_greedy): the embedding
    rows (times embed_scale where not NULL), and the final norm and the LM head's argmax. */
+typedef int (*embed_rows_fn)(int type, const uint8_t *table, int64_t row_bytes, int64_t k, const int64_t *ids,
+                            int64_t n, const float *scale, float *out, int64_t ldo);
 typedef struct {
-    const float *embed, *embed_scale;
+    embed_rows_fn embed_rows;  /* qmatmul.c's gguf_rows: the table's rows decoded from its GGUF type */
+    const uint8_t *embed;
+    int64_t embed_row_bytes;
+    int32_t embed_type;
+    const float *embed_scale;
     const float *final_norm;
     float eps;
-    argmax_fn argmax;  /* q8_matmul_argmax, q4_ or q5_ */
+    argmax_fn argmax;  /* the head's format's kind_matmul_argmax */
     const void *head;
     int64_t vocab;
 } ends;
@@ -858,16 +864,8 @@ int decoder_layers(const layer *layers, int64_t count, const step *all, float *x
 int decoder_greedy(const layer *layers, int64_t count, const ends *e, const step *s, const int64_t *ids, float *x,
                    int64_t *argmax) {
     int64_t hidden = s->hidden, rows = s->keep ? s->kept : s->tokens;
-    for (int64_t t = 0; t < s->tokens; t++) {
-        const float *row = e->embed + ids[t] * hidden;
-        float *xr = x + t * hidden;
-        if (e->embed_scale) {
-            float scale = *e->embed_scale;
-            for (int64_t i = 0; i < hidden; i++) xr[i] = row[i] * scale;
-        } else {
-            memcpy(xr, row, (size_t)hidden * sizeof(float));
-        }
-    }
+    if (e->embed_rows(e->embed_type, e->embed, e->embed_row_bytes, hidden, ids, s->tokens, e->embed_scale, x, hidden))
+        return -1;
     if (decoder_layers(layers, count, s, x)) return -1;
     if (!rows) return 0;
     rms_norm(x, hidden, e->final_norm, e->eps, rows, hidden, s->normed);

@@ -1,34 +1,29 @@
-"""Checkpoints -> float32 tensors under Hugging Face names, with converted GGUF files cached on disk.
+"""Checkpoints -> tensors under Hugging Face names, each at its own width.
 
-A GGUF file is dequantized once and the result cached as safetensors: later loads are a plain
-memory copy instead of tens of seconds of metadata parsing and dequantization. An HF folder is
-already in that shape and loads directly.
+A GGUF file is read in place: its quantized tensors stay the file's blocks in its memory map
+(GGUFWeight), which the native kernels pack as they are (Q4_K stays Q4_K) and the embedding reads
+row by row; only the small float tensors (norms) are copied out. So nothing of the weights is
+converted or cached on disk, and the first start is as fast as the next: only the tokenizer, slow
+to convert from the file's vocabulary, is cached (checkpoint.tokenizer_path). An HF folder's
+safetensors load as float32.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf.quants import dequantize
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from tqdm import tqdm
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from safetensors.torch import load_file
 
-from tollway.checkpoint import CACHE_FORMAT, ModelNotFoundError, cache_complete, cache_folder, cache_root, resolve_model
+from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_path
 from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
-from tollway.text.tokenizer import save_gguf_tokenizer
-
-_log = logging.getLogger(__name__)
 
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER_NAMES = {
@@ -63,26 +58,60 @@ _TEXT_PREFIXES = (
 
 
 @dataclass
+class GGUFWeight:
+    """A quantized tensor of a GGUF file, as the file holds it: `blocks` are its rows' bytes, a
+    view of the file's memory map (or, for llama's Q and K, their rows put in HF's order)."""
+
+    gguf_type: GGMLQuantizationType
+    blocks: np.ndarray  # [rows, bytes per row] uint8
+    shape: tuple[int, int]  # (rows, values per row): the HF weight's shape
+
+    def float(self) -> torch.Tensor:
+        """Its values in float32, as GGUF dequantizes them: for the torch path and for tests."""
+        return torch.from_numpy(np.require(dequantize(self.blocks, self.gguf_type), np.float32, ["C", "W"]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+@dataclass
 class LoadedModel:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # float32, contiguous, HF names (see expected_tensor_shapes)
+    # HF names (see expected_tensor_shapes) -> float32 tensors (norms; every tensor of an HF folder),
+    # or GGUFWeight for a GGUF file's quantized ones
+    tensors: dict[str, torch.Tensor | GGUFWeight]
     tokenizer_path: Path | None  # folder for Tokenizer.load; None when the checkpoint has no tokenizer
     source: Path  # the .gguf file or HF folder the weights came from
-    from_cache: bool  # True when read from the converted-weights cache
     load_seconds: float
+    gguf: GGUFFile | None = None  # the file the GGUFWeights lie in
+
+    def float_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor in float32, the quantized ones dequantized: for a reference implementation
+        (model/reference.py), not for serving."""
+        return {name: t.float() for name, t in self.tensors.items()}
+
+    def release_pages(self) -> None:
+        """Gives back the pages of the GGUF file this process has read (packing the weights reads
+        all of them), so they stop counting as its memory; what is read again comes back from the
+        page cache."""
+        if self.gguf is not None:
+            self.gguf.release_pages()
 
 
-def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
-                 progress: bool = True) -> LoadedModel:
-    """Load `model`: None or "gemma3-270m" (the embedded default), a .gguf file, or an HF folder."""
+def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load `model`: None or "gemma3-270m" (the embedded default), a .gguf file, or an HF folder.
+    `cache_dir`: where a GGUF's tokenizer is kept once converted (checkpoint.cache_root)."""
     start = time.perf_counter()
     source = resolve_model(model)
     if source.is_dir():
-        config, tensors, tokenizer_path = _load_hf_folder(source)
-        from_cache = False
-    else:
-        config, tensors, tokenizer_path, from_cache = _load_gguf(source, cache_root(cache_dir), progress)
-    return LoadedModel(config, tensors, tokenizer_path, source, from_cache, time.perf_counter() - start)
+        config, tensors, tokenizer = _load_hf_folder(source)
+        return LoadedModel(config, tensors, tokenizer, source, time.perf_counter() - start)
+    reader = GGUFFile(source)
+    config = ModelConfig.from_gguf(reader)
+    tensors = _gguf_tensors(reader, config)
+    _check_tensors(tensors, config, source)
+    return LoadedModel(config, tensors, tokenizer_path(source, cache_dir), source, time.perf_counter() - start, reader)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -114,7 +143,7 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+def _check_tensors(tensors: dict[str, torch.Tensor | GGUFWeight], config: ModelConfig, source: Path) -> None:
     expected = expected_tensor_shapes(config)
     missing = sorted(expected.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - expected.keys())
@@ -165,80 +194,29 @@ def _text_model_name(name: str) -> str | None:
     return name
 
 
-# --- GGUF files and the converted-weights cache -----------------------------------------------
+# --- GGUF files ------------------------------------------------------------------------------
 
-def _load_gguf(path: Path, root: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None, bool]:
-    folder = cache_folder(path, root)
-    if cache_complete(folder):
-        try:
-            config, tensors, tokenizer_path = _read_cache(folder)
-            return config, tensors, tokenizer_path, True
-        except (OSError, ValueError, TypeError, KeyError, SafetensorError) as exc:
-            _log.warning("converted weights in %s are unreadable (%s); converting again", folder, exc)
-    elif folder.exists():
-        _log.warning("converted weights in %s are incomplete; converting again", folder)
-    _log.info("converting %s once; later loads read %s", path, folder)
-    reader = GGUFFile(path)
-    config = ModelConfig.from_gguf(reader)
-    tensors = _convert_gguf_tensors(reader, config, progress)
-    _check_tensors(tensors, config, path)
-    has_tokenizer = _write_cache(folder, path, reader, config, tensors)
-    return config, tensors, folder if has_tokenizer else None, False
-
-
-def _read_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
-    config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    tensors = load_file(folder / "model.safetensors")
-    _check_tensors(tensors, config, folder)
-    return config, tensors, folder if (folder / "tokenizer.json").is_file() else None
-
-
-def _write_cache(folder: Path, source: Path, reader: GGUFFile, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> bool:
-    """Write the cache folder atomically: a temp folder beside it, renamed into place when complete."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        save_file(tensors, tmp / "model.safetensors", metadata={"source": str(source)})
-        has_tokenizer = save_gguf_tokenizer(source, reader, tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir()}
-        manifest = {"format": CACHE_FORMAT, "source": str(source), "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        _install(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return has_tokenizer
-
-
-def _install(tmp: Path, folder: Path) -> None:
-    if folder.exists():  # a broken or stale copy: move it aside first so the rename below can land
-        trash = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
-        try:
-            os.replace(folder, trash)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(trash, ignore_errors=True)
-    try:
-        os.replace(tmp, folder)
-    except OSError:
-        if not cache_complete(folder):  # else a concurrent conversion of the same file won the race
-            raise
-
-
-def _convert_gguf_tensors(reader: GGUFFile, config: ModelConfig, progress: bool) -> dict[str, torch.Tensor]:
+def _gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor | GGUFWeight]:
     # llama.cpp's converter interleaves Q/K rows for its rotary layout in the llama architecture only.
     permuted = reader.metadata["general.architecture"] == "llama"
     tensors = {}
-    for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
+    for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already in config.rope_scaling
-        values = dequantize(t.data, t.tensor_type)
-        if config.architecture == "gemma3" and t.name.endswith("norm.weight"):
-            values = values - np.float32(1.0)  # llama.cpp stores Gemma norms as 1 + w; HF keeps w
-        if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
-            values = _unpermute_rotary(values, config.num_heads if ".attn_q." in t.name else config.num_kv_heads)
-        # F32 tensors come back as read-only views of the file's memory map; own a writable copy.
-        tensors[_hf_name(t.name, config.architecture)] = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+        heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+        rotary = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and len(t.shape) == 2:
+            blocks = _unpermute_rotary(t.data, heads) if rotary else t.data
+            weight = GGUFWeight(t.tensor_type, blocks, (int(t.shape[1]), int(t.shape[0])))
+        else:  # plain numbers: norms, and the weights of unquantized files
+            values = dequantize(t.data, t.tensor_type) if t.tensor_type != GGMLQuantizationType.F32 else t.data
+            if config.architecture == "gemma3" and t.name.endswith("norm.weight"):
+                values = values - np.float32(1.0)  # llama.cpp stores Gemma norms as 1 + w; HF keeps w
+            if rotary:
+                values = _unpermute_rotary(values, heads)
+            # a writable copy of our own: F32 tensors come back as read-only views of the file's map
+            weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]).copy())
+        tensors[_hf_name(t.name, config.architecture)] = weight
     return tensors
 
 

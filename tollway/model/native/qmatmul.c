@@ -1,6 +1,6 @@
 /* Integer matmul y[M,N] = x[M,K] @ W[N,K]^T on weights quantized in blocks of 32 along K.
 
-Weights (packed once at load by q8_pack): int8 plus an fp16 scale per 32 values, stored +128
+Weights (packed once at load by q8_pack from floats, or by q8_pack_gguf from a GGUF's Q8_0 blocks): int8 plus an fp16 scale per 32 values, stored +128
 as u8, in tiles of 16 output rows. A tile holds, for each K block b, 8 groups of 4 K values,
 each as 16 rows x 4 bytes (64 bytes: one 512-bit load puts one row in each 32-bit lane), then
 the tile's fp16 scales, 16 per block:
@@ -20,29 +20,19 @@ set; each path just gets isum_b its own way. Threads take items of (a chunk of r
 tiles); every row of a chunk passes through each tile while it is in cache, so the weights stream
 from memory once per call (once per chunk of rows for very large M).
 
-q4 (packed by q4_pack from 4-bit values q in 0..15 with an fp32 scale and min per block, w = scale*q
-- min: Q4_K's sub-blocks exactly) has the same tiles, rows, threads and activations. A block of a
-tile is 4 chunks of 64 bytes, chunk p holding groups p (low nibbles) and p + 4 (high nibbles) in the
-16-rows-x-4-bytes order above, then 16 fp32 scales and 16 fp32 mins:
-
-    tile t: [nb] x ([4][16][4] u8 nibble pairs, [16] fp32 scales, [16] fp32 mins)
-
-and every path sums acc = fma(scale_b * (float)isum_b - min_b * (float)xsum_b, xscale_b, acc), with
-isum_b = dot(q, xq) exact in integers and xsum_b the sum of the block's quantized activations.
-
-q5 (packed by q5_pack from 5-bit values q in 0..31 with an fp16 scale d per block, w = d * (q - 16):
-GGUF's Q5_0 exactly, in its 5.5 bits a weight where q8 takes 8.5) keeps q's low 4 bits as q4 does,
-then its fifth bits, 64 bytes: bit g of byte j is the fifth bit of byte j of group g's 64 bytes
-(the 16-rows-x-4-bytes order), then the 16 fp16 scales:
+q5 (packed by q5_pack_gguf from a GGUF's Q5_0 blocks: 5-bit values q in 0..31 with an fp16 scale d
+per block, w = d * (q - 16), in the file's 5.5 bits a weight) keeps q's low 4 bits in 4 chunks of
+64 bytes, chunk p holding groups p (low nibbles) and p + 4 (high nibbles) in the 16-rows-x-4-bytes
+order above, then its fifth bits, 64 bytes: bit g of byte j is the fifth bit of byte j of group g's
+64 bytes (the 16-rows-x-4-bytes order), then the 16 fp16 scales:
 
     tile t: [nb] x ([4][16][4] u8 nibble pairs, [64] u8 fifth bits, [16] fp16 scales)
 
 A block's isum is dot(q - 16, xq), so every path sums what q8 does (acc = fma((float)isum_b,
-wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits. After the q5 tiles,
-a copy of the same weights (values q - 16, the same scales), in q8's layout or in signed tiles (see
-signed_packed_bytes), serves calls of more rows than q5_rows(isa): there the matmul is no longer
-bound by reading its weights, and taking the fifth bits apart at every pass cost more than the bytes
-saved.
+wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits.
+
+The K-quants (Q4_K, Q6_K) have files of their own (qmatmul_q4k.h, qmatmul_q6k.h): the same tiles,
+rows, threads and activations, with their superblocks' scales.
 
 An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
 all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
@@ -87,12 +77,6 @@ int64_t q8_packed_bytes(int64_t n, int64_t k) {
 
 #define Q4_CHUNK (TILE * 4)                        /* bytes of one chunk: 16 rows x 4 nibble pairs */
 #define Q4_NIBBLES (TILE * QBLOCK / 2)             /* nibble bytes of one tile and block */
-#define Q4_BLOCK_BYTES (Q4_NIBBLES + TILE * 8)     /* then the fp32 scales and mins */
-
-static int64_t q4_tile_bytes(int64_t k) { return (k / QBLOCK) * Q4_BLOCK_BYTES; }
-
-int64_t q4_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q4_tile_bytes(k); }
-
 #define Q5_HIGH (TILE * QBLOCK / 8)                          /* fifth-bit bytes of one tile and block */
 #define Q5_BLOCK_BYTES (Q4_NIBBLES + Q5_HIGH + TILE * 2)     /* then the fp16 scales */
 #define Q5_OFFSET 16                                         /* w = d * (q - 16) */
@@ -114,25 +98,7 @@ the LM head's coarse copy (qmatmul_pruned_argmax.h) take this layout. */
 static int64_t signed_tile_bytes(int64_t k) { return k / QBLOCK * SIGNED_BLOCK_BYTES; }
 int64_t signed_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * signed_tile_bytes(k); }
 
-/* The q5 tiles, a 64-byte slot whose first byte says the copy's layout, then the copy of the same
-   weights for many rows: q8's packing, or signed tiles (copy = Q5_COPY_SIGNED). */
-enum { Q5_COPY_Q8, Q5_COPY_SIGNED };
-#define Q5_COPY_SLOT 64
-static int64_t q5_copy_at(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5_tile_bytes(k) + Q5_COPY_SLOT; }
-int64_t q5_packed_bytes(int64_t n, int64_t k, int copy) {
-    return q5_copy_at(n, k) + (copy == Q5_COPY_SIGNED ? signed_packed_bytes(n, k) : q8_packed_bytes(n, k));
-}
-
-/* The most rows a call runs on q5's tiles, past which it runs on their q8 copy. Measured on 18
-   layers' 4096 x 640 Q5_0 weights (Zen 4; q8 time over q5): AVX-512 1.56 at 1 row, 1.11 at 4, 0.97
-   at 8; AVX2 1.23 at 1 row, 1.05 at 2, 0.95 at 4. */
-static int64_t q5_rows(int isa) { return isa == ISA_AVX512VNNI ? 4 : 2; }
-
-/* What a call of m rows reads of a q5 packing: its q5 tiles, or its copy. */
-int64_t q5_streamed_bytes(const uint8_t *packed, int64_t m, int64_t n, int64_t k, int isa) {
-    if (m <= q5_rows(isa)) return (n + TILE - 1) / TILE * q5_tile_bytes(k);
-    return q5_packed_bytes(n, k, packed[q5_copy_at(n, k) - Q5_COPY_SLOT]) - q5_copy_at(n, k);
-}
+int64_t q5_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5_tile_bytes(k); }
 
 /* ---- fp16 <-> fp32, portable and exact (the SIMD paths convert scales with F16C) ---- */
 
@@ -366,144 +332,58 @@ int64_t q8_pack(const float *w, int64_t n, int64_t k, uint8_t *out, int threads)
     return atomic_load(&j.overflows);
 }
 
-/* w: [n, k] float32 as q4's parts, q [n, k] and scale, min [n, k / 32], with scale * q - min == w in
-   float32 for every value; or -1 at the first block of 32 that is not so (or not finite). min is
-   minus the block's smallest value (its q is 0), scale = (largest + min) / top, where the largest
-   value's q, top, is 15 in nearly every block of a Q4_K weight; lower tops are tried after. */
-int q4_fit(const float *w, int64_t n, int64_t k, uint8_t *q, float *scale, float *min) {
-    int64_t nb = k / QBLOCK;
-    for (int64_t row = 0; row < n; row++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *src = w + row * k + b * QBLOCK;
-            uint8_t *dst = q + row * k + b * QBLOCK;
-            float lo = src[0], hi = src[0];
-            for (int i = 0; i < QBLOCK; i++) {
-                if (!isfinite(src[i])) return -1;
-                lo = src[i] < lo ? src[i] : lo;
-                hi = src[i] > hi ? src[i] : hi;
-            }
-            float m = -lo, span = hi + m, step = 0.0f;
-            memset(dst, 0, QBLOCK);  /* a constant block: q = 0 */
-            for (int top = 15; top > 0 && span > 0.0f && step == 0.0f; top--) {
-                float tried = span / (float)top;
-                int i = 0;
-                for (; i < QBLOCK; i++) {
-                    float v = round_even((src[i] + m) / tried);
-                    v = v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v;
-                    if (tried * v - m != src[i]) break;
-                    dst[i] = (uint8_t)v;
-                }
-                if (i == QBLOCK) step = tried;
-            }
-            if (span > 0.0f && step == 0.0f) return -1;
-            scale[row * nb + b] = step;
-            min[row * nb + b] = m;
-        }
-    }
-    return 0;
-}
+/* ---- packing a GGUF file's blocks as they are ----
+   Each packer takes a tensor's rows as the file holds them, n rows of k / block values' blocks,
+   and writes its format's tiles: the same values, only laid out for the kernels. */
 
-/* q: [n, k] values 0..15, scale and min: [n, k / 32]; out: q4_packed_bytes(n, k) bytes. */
-void q4_pack(const uint8_t *q, const float *scale, const float *min, int64_t n, int64_t k, uint8_t *out) {
-    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
-    memset(out, 0, (size_t)q4_packed_bytes(n, k));  /* padding rows: zero values, scales and mins */
+static uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+#define Q8_0_BYTES 34  /* fp16 d, 32 int8 values: w = d * q */
+
+/* Q8_0 rows -> q8 (q8_packed_bytes(n, k) bytes at out). */
+void q8_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, tb = q8_tile_bytes(k);
+    uint8_t *largest = out + tiles * tb;
+    memset(out, 128, (size_t)(tiles * tb));  /* padding rows: value 0 */
     for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *block = out + (t * nb + b) * Q4_BLOCK_BYTES;
-            float *scales = (float *)(block + Q4_NIBBLES), *mins = scales + TILE;
-            for (int r = 0; r < TILE && t * TILE + r < n; r++) {
-                int64_t row = t * TILE + r;
-                const uint8_t *src = q + row * k + b * QBLOCK;
-                for (int i = 0; i < QBLOCK / 2; i++)  /* groups 0..3 low, 4..7 high */
-                    block[(i / 4) * Q4_CHUNK + r * 4 + i % 4] = (uint8_t)(src[i] | src[i + QBLOCK / 2] << 4);
-                scales[r] = scale[row * nb + b];
-                mins[r] = min[row * nb + b];
-            }
-        }
-    }
-}
-
-/* w: [n, k] float32 as q5's parts, q [n, k] in 0..31 and d [n, k / 32] fp16 bits, with d * (q - 16)
-   == w in float32 for every value; or -1 at the first block of 32 that is not so. d is the largest
-   |value| over its |q - 16|, tried from 16 (a block holding a q of 0, as Q5_0 quantizing gives
-   nearly every block; q8 packs such a block with d's magnitude) down to 1, each with either sign:
-   Q5_0's d takes the sign of the block's value of largest magnitude. */
-int q5_fit(const float *w, int64_t n, int64_t k, uint8_t *q, uint16_t *d) {
-    int64_t nb = k / QBLOCK;
-    for (int64_t row = 0; row < n; row++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *src = w + row * k + b * QBLOCK;
-            uint8_t *dst = q + row * k + b * QBLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) {
-                if (!isfinite(src[i])) return -1;
-                amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
-            }
-            uint16_t found = 0;
-            memset(dst, Q5_OFFSET, QBLOCK);  /* a block of zeros: q = 16, d = 0 */
-            for (int tried = 0; tried < 2 * Q5_OFFSET && amax > 0.0f && !found; tried++) {
-                int top = Q5_OFFSET - tried / 2;  /* d = amax / top, then -amax / top */
-                uint16_t half = float_to_half(amax / (float)top) | (uint16_t)(tried % 2 ? 0x8000 : 0);
-                float step = half_to_float(half);
-                int i = 0;
-                for (; i < QBLOCK && step != 0.0f && fabsf(step) < INFINITY; i++) {
-                    float v = round_even(src[i] / step);
-                    if (v < -Q5_OFFSET || v > Q5_OFFSET - 1 || step * v != src[i]) break;
-                    dst[i] = (uint8_t)((int)v + Q5_OFFSET);
+        uint8_t *tile = out + t * tb;
+        uint16_t *scales = (uint16_t *)(tile + nb * BLOCK_BYTES);
+        int top = 0;
+        for (int r = 0; r < TILE; r++) {
+            int64_t row = t * TILE + r;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *src = blocks + (row * nb + b) * Q8_0_BYTES;
+                scales[b * TILE + r] = row < n ? read_u16(src) : 0;
+                for (int i = 0; i < QBLOCK && row < n; i++) {
+                    int v = (int8_t)src[2 + i];
+                    tile[b * BLOCK_BYTES + (i / 4) * TILE * 4 + r * 4 + i % 4] = (uint8_t)(v + 128);
+                    top = abs(v) > top ? abs(v) : top;
                 }
-                if (i == QBLOCK) found = half;
             }
-            if (amax > 0.0f && !found) return -1;
-            d[row * nb + b] = found;
         }
-    }
-    return 0;
-}
-
-/* One value of a q5 packing's copy: `value` (q - 16) of column lane, block b, at i. */
-static void put_copy_value(uint8_t *tile, int copy, int64_t b, int lane, int i, int value) {
-    int64_t at = (i / 4) * TILE * 4 + lane * 4 + i % 4;
-    if (copy == Q5_COPY_SIGNED) {
-        uint8_t *block = tile + b * SIGNED_BLOCK_BYTES;
-        block[at] = (uint8_t)(int8_t)value;
-        ((int32_t *)(block + BLOCK_BYTES))[lane] -= 128 * value;
-    } else {
-        tile[b * BLOCK_BYTES + at] = (uint8_t)(value + 128);
+        largest[t] = (uint8_t)top;
     }
 }
 
-/* q: [n, k] values 0..31, d: [n, k / 32] fp16 bits; out: q5_packed_bytes(n, k, copy) bytes. */
-void q5_pack(const uint8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out, int copy) {
+#define Q5_0_BYTES 22  /* fp16 d, 32 fifth bits, 16 bytes of nibbles (value j low, j + 16 high): w = d * (q - 16) */
+
+/* Q5_0 rows -> q5 (q5_packed_bytes(n, k) bytes at out). */
+void q5_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
-    int64_t copy_tile = copy == Q5_COPY_SIGNED ? signed_tile_bytes(k) : q8_tile_bytes(k);
-    uint8_t *copied = out + q5_copy_at(n, k);
-    uint8_t *largest = copy == Q5_COPY_Q8 ? copied + tiles * q8_tile_bytes(k) : NULL;  /* q8's byte a tile */
-    memset(out, 0, (size_t)q5_packed_bytes(n, k, copy));  /* padding rows: zero scales */
-    copied[-Q5_COPY_SLOT] = (uint8_t)copy;
+    memset(out, 0, (size_t)q5_packed_bytes(n, k));  /* padding rows: zero scales */
     for (int64_t t = 0; t < tiles; t++) {
-        uint8_t *tile = copied + t * copy_tile;
-        if (copy == Q5_COPY_Q8) {
-            memset(tile, 128, (size_t)(nb * BLOCK_BYTES));  /* value 0 */
-            largest[t] = 0;
-        }
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *block = out + (t * nb + b) * Q5_BLOCK_BYTES, *high = block + Q4_NIBBLES;
             uint16_t *scales = (uint16_t *)(high + Q5_HIGH);
-            uint16_t *copy_scales = copy == Q5_COPY_SIGNED
-                                        ? (uint16_t *)(tile + b * SIGNED_BLOCK_BYTES + BLOCK_BYTES + TILE * 4)
-                                        : (uint16_t *)(tile + nb * BLOCK_BYTES) + b * TILE;
             for (int r = 0; r < TILE && t * TILE + r < n; r++) {
-                int64_t row = t * TILE + r;
-                const uint8_t *src = q + row * k + b * QBLOCK;
-                for (int i = 0; i < QBLOCK / 2; i++)  /* groups 0..3 low, 4..7 high */
-                    block[(i / 4) * Q4_CHUNK + r * 4 + i % 4] = (uint8_t)((src[i] & 15) | (src[i + QBLOCK / 2] & 15) << 4);
-                for (int i = 0; i < QBLOCK; i++) {  /* value i is byte r * 4 + i % 4 of group i / 4 */
-                    high[r * 4 + i % 4] |= (uint8_t)((src[i] >> 4) << (i / 4));
-                    int value = src[i] - Q5_OFFSET;
-                    put_copy_value(tile, copy, b, r, i, value);
-                    if (copy == Q5_COPY_Q8) largest[t] = abs(value) > largest[t] ? (uint8_t)abs(value) : largest[t];
-                }
-                scales[r] = copy_scales[r] = d[row * nb + b];
+                const uint8_t *src = blocks + ((t * TILE + r) * nb + b) * Q5_0_BYTES;
+                uint32_t fifth;
+                memcpy(&fifth, src + 2, 4);
+                for (int i = 0; i < QBLOCK / 2; i++)  /* groups 0..3 low, 4..7 high, as the file's nibbles */
+                    block[(i / 4) * Q4_CHUNK + r * 4 + i % 4] = src[6 + i];
+                for (int i = 0; i < QBLOCK; i++)  /* value i is byte r * 4 + i % 4 of group i / 4 */
+                    high[r * 4 + i % 4] |= (uint8_t)(((fifth >> i) & 1) << (i / 4));
+                scales[r] = read_u16(src);
             }
         }
     }
@@ -713,30 +593,6 @@ static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, con
 
 /* xo holds -128 * the block's sum of quantized activations (for q8's +128 weights): q4 wants the sum. */
 static inline float xsum_of(int32_t xo) { return (float)(xo / -128); }
-
-static void q4_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                             int rows, float *out, const char *ahead, int64_t ahead_step) {
-    (void)ahead, (void)ahead_step;
-    for (int r = 0; r < rows; r++) {
-        float acc[TILE] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
-            const float *scales = (const float *)(w + Q4_NIBBLES), *mins = scales + TILE;
-            const int8_t *x = xq + XQ(b, r);
-            float xsum = xsum_of(xo[XS(b, r)]);
-            for (int lane = 0; lane < TILE; lane++) {
-                int32_t isum = 0;
-                for (int i = 0; i < QBLOCK / 2; i++) {
-                    uint8_t pair = w[(i / 4) * Q4_CHUNK + lane * 4 + i % 4];
-                    isum += (pair & 15) * x[i] + (pair >> 4) * x[i + QBLOCK / 2];
-                }
-                float t = scales[lane] * (float)isum - mins[lane] * xsum;
-                acc[lane] = fmaf(t, xs[XS(b, r)], acc[lane]);
-            }
-        }
-        memcpy(out + r * TILE, acc, sizeof acc);
-    }
-}
 
 static void q5_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                              int rows, float *out, const char *ahead, int64_t ahead_step) {
@@ -979,59 +835,6 @@ static void signed_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, 
         ROWS3_SWITCH(avx2_small_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step, SMALL_SIGNED)
 }
 
-/* q4 on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
-0..15, so vpmaddubsw takes it as the u8 operand directly, and a block's 16 products per int16 lane
-stay within 16 * 15 * 128 < 32767: the block sums in int16 (vpaddw, which leaves the multiply
-ports free), and one vpmaddwd a block widens it. Both halves of the tile at once, for up to 3 rows,
-so that each broadcast activation group feeds two vpmaddubsw (a chunk's low nibbles, then its high
-ones: two weight registers at a time): from L2 on a Zen 3 core 96 GMAC/s where a half at a time for
-4 rows ran 82. */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void q4_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                                const float *xs, const int32_t *xo, int r0, float *out,
-                                                                const char *ahead, int64_t ahead_step, const int n) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 acc[3][2];
-    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
-        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
-        __m256i sum16[3][2];
-        UNROLLED for (int g = 0; g < GROUPS; g++) {  /* chunk g % 4: its low nibbles are group g < 4, its high g >= 4 */
-            __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
-            __m256i pairs1 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + 32));
-            __m256i w0 = _mm256_and_si256(g < 4 ? pairs0 : _mm256_srli_epi16(pairs0, 4), low);
-            __m256i w1 = _mm256_and_si256(g < 4 ? pairs1 : _mm256_srli_epi16(pairs1, 4), low);
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
-                sum16[r][0] = g == 0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                sum16[r][1] = g == 0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                KEEP_IN_REGISTER(sum16[r][0]);
-                KEEP_IN_REGISTER(sum16[r][1]);
-            }
-        }
-        UNROLLED for (int h = 0; h < 2; h++) {
-            const float *scales = (const float *)(w + Q4_NIBBLES) + h * 8;
-            __m256 ws = _mm256_loadu_ps(scales), wm = _mm256_loadu_ps(scales + TILE);
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256i isum = _mm256_madd_epi16(sum16[r][h], ones);
-                __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum)),
-                                         _mm256_mul_ps(wm, _mm256_set1_ps(xsum_of(xo[XS(b, r0 + r)]))));
-                acc[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(xs[XS(b, r0 + r)]), acc[r][h]);
-            }
-        }
-    }
-    store_rows(out, acc, r0, n);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void q4_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                         int rows, float *out, const char *ahead, int64_t ahead_step) {
-    for (int r0 = 0; r0 < rows; r0 += 3)
-        ROWS3_SWITCH(q4_avx2_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step)
-}
-
 /* 256-bit VNNI, as AVX-VNNI (VEX) and as AVX512-VNNI with VL (EVEX): one body, two encodings. */
 #define TILE256 tile_avxvnni
 #define TILE256_ROWS avxvnni_rows
@@ -1083,39 +886,6 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
-/* q4 on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static inline __attribute__((always_inline)) void q4_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
-                                                                   const float *xs, const int32_t *xo, const int rows,
-                                                                   float *out, const char *ahead, int64_t ahead_step) {
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[MAX_ROWS];
-    UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = tile + b * Q4_BLOCK_BYTES;
-        const int8_t *x = xq + XQ(b, 0);
-        prefetch_ahead(ahead, ahead_step, b);
-        __m512i isum[MAX_ROWS];
-        UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-            __m512i lo = _mm512_and_si512(pairs, low), hi = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), low);
-            UNROLLED for (int r = 0; r < rows; r++) {
-                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
-            }
-        }
-        const float *scales = (const float *)(w + Q4_NIBBLES);
-        __m512 ws = _mm512_loadu_ps(scales), wm = _mm512_loadu_ps(scales + TILE);
-        UNROLLED for (int r = 0; r < rows; r++) {
-            __m512 t = _mm512_sub_ps(_mm512_mul_ps(ws, _mm512_cvtepi32_ps(isum[r])),
-                                     _mm512_mul_ps(wm, _mm512_set1_ps(xsum_of(xo[XS(b, r)]))));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[XS(b, r)]), acc[r]);
-        }
-    }
-    UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
-}
-
 /* q5 on AVX512-VNNI: q4's chunks, each group's fifth bits or-ed in at bit 4. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q5_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
@@ -1157,16 +927,6 @@ static void q5_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq
                                int rows, float *out, const char *ahead, int64_t ahead_step) {
     switch (rows) {
 #define ROWS_CASE(R) case R: q5_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
-    }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static void q4_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                               int rows, float *out, const char *ahead, int64_t ahead_step) {
-    switch (rows) {
-#define ROWS_CASE(R) case R: q4_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
     }
@@ -1225,16 +985,6 @@ static tile_kernel q8_kernel_for(int isa) {
     return tile_portable;
 }
 
-static tile_kernel q4_kernel_for(int isa) {
-#if defined(__x86_64__)
-    switch (isa) {
-        case ISA_AVX2: case ISA_AVXVNNI: return q4_tile_avx2;
-        case ISA_AVX512VNNI: return q4_tile_avx512vnni;
-    }
-#endif
-    return q4_tile_portable;
-}
-
 static tile_kernel q5_kernel_for(int isa) {
 #if defined(__x86_64__)
     switch (isa) {
@@ -1270,9 +1020,13 @@ static tile_kernel signed_kernel_for(int isa) {
 }
 
 static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for, 0},
-                    Q4 = {q4_tile_bytes, q4_kernel_for, no_small_kernel, 0},
                     Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel, 0},
                     SIGNED = {signed_tile_bytes, signed_kernel_for, no_small_kernel, 1};
+
+/* The GGUF K-quant formats, a file each: the layout, the packing of the file's blocks, the kernels
+   and the format. */
+#include "qmatmul_q4k.h"
+#include "gguf_rows.h"
 
 /* ---- the matmul ---- */
 
@@ -1499,51 +1253,42 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     return 0;
 }
 
-/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W packed by q8_pack.
-   Returns 0, or -1 when the instruction set is not supported here or memory ran out. */
-int q8_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
-              int64_t ldy, int isa, int threads) {
-    return run_matmul(&Q8, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
-}
+/* Each format's entries:
+   kind_matmul: y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W packed as kind;
+   kind_matmul_argmax: argmax[r] = the column of row r's largest output of the same product (the
+   first on ties), without writing the outputs: the greedy token of an LM head.
+   Each returns 0, or -1 when the instruction set is not supported here or memory ran out. */
+#define MATMUL_ENTRIES(kind, FORMAT)                                                                          \
+    int kind##_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,    \
+                      float *y, int64_t ldy, int isa, int threads) {                                          \
+        return run_matmul(&FORMAT, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);                      \
+    }                                                                                                         \
+    int kind##_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed,        \
+                             int64_t n, int64_t *argmax, int isa, int threads) {                              \
+        return run_matmul(&FORMAT, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);                   \
+    }
+MATMUL_ENTRIES(q8, Q8)
+MATMUL_ENTRIES(q5, Q5)
+MATMUL_ENTRIES(q4k, Q4K)
+/* (each GGUF format's file adds its line here) */
 
-/* The same for W packed by q4_pack. */
-int q4_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
-              int64_t ldy, int isa, int threads) {
-    return run_matmul(&Q4, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
-}
+/* A linear whose parts are packed in different formats (a GGUF's q, k and v of two types, fused
+   into one matmul): each part writes its own columns of y. */
+typedef int (*part_matmul)(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                           float *y, int64_t ldy, int isa, int threads);
+#define MAX_PARTS 4
+typedef struct {
+    int64_t count;
+    struct { part_matmul matmul; const uint8_t *packed; int64_t n; } parts[MAX_PARTS];
+} parts_weight;
 
-/* The format of a q5 packing's copy. */
-static const format *q5_copy_format(const uint8_t *packed, int64_t n, int64_t k) {
-    return packed[q5_copy_at(n, k) - Q5_COPY_SLOT] == Q5_COPY_SIGNED ? &SIGNED : &Q8;
-}
-
-/* The same for W packed by q5_pack: of more than q5_rows(isa) rows, on its copy. */
-int q5_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
-              int64_t ldy, int isa, int threads) {
-    if (m > q5_rows(isa))
-        return run_matmul(q5_copy_format(packed, n, k), x, ldx, m, k, packed + q5_copy_at(n, k), n, y, ldy, NULL, isa,
-                          threads);
-    return run_matmul(&Q5, x, ldx, m, k, packed, n, y, ldy, NULL, isa, threads);
-}
-
-/* argmax[r] = the column of row r's largest output of the same product (the first on ties),
-   without writing the outputs: the greedy token of an LM head. */
-int q8_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
-                     int64_t *argmax, int isa, int threads) {
-    return run_matmul(&Q8, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
-}
-
-int q4_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
-                     int64_t *argmax, int isa, int threads) {
-    return run_matmul(&Q4, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
-}
-
-int q5_matmul_argmax(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
-                     int64_t *argmax, int isa, int threads) {
-    if (m > q5_rows(isa))
-        return run_matmul(q5_copy_format(packed, n, k), x, ldx, m, k, packed + q5_copy_at(n, k), n, NULL, 0, argmax,
-                          isa, threads);
-    return run_matmul(&Q5, x, ldx, m, k, packed, n, NULL, 0, argmax, isa, threads);
+int parts_matmul(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y,
+                 int64_t ldy, int isa, int threads) {
+    const parts_weight *w = (const parts_weight *)packed;
+    (void)n;
+    for (int64_t i = 0, col = 0; i < w->count; col += w->parts[i].n, i++)
+        if (w->parts[i].matmul(x, ldx, m, k, w->parts[i].packed, w->parts[i].n, y + col, ldy, isa, threads)) return -1;
+    return 0;
 }
 
 /* The same for W packed in signed tiles (signed_packed_bytes(n, k) bytes). */

@@ -1,8 +1,8 @@
-"""The CPU's integer matmuls (qmatmul.c): y = x @ W.T with W packed once into blocks of 32 along K,
-and x quantized to int8 blocks of 32 at every call. Three weight formats: q8 (int8 with an fp16
-scale), q4 (4-bit values 0..15 with an fp32 scale and min, w = scale * q - min: 6 bits a weight
-against q8's 8.5) and q5 (5-bit values 0..31 with an fp16 scale, w = d * (q - 16): 5.5 bits);
-q4 and q5 take only weights that are exactly that, such as a GGUF's Q4_K and Q5_0.
+"""The CPU's integer matmuls (qmatmul.c): y = x @ W.T with W packed once into tiles of blocks of 32
+along K, and x quantized to int8 blocks of 32 at every call. The weight formats (KINDS) are a GGUF
+file's own, each at its own width: q8 (Q8_0, and float weights quantized to int8 with an fp16 scale
+per block), q5 (Q5_0), q4k (Q4_K) and q6k (Q6_K). A GGUF tensor of one of GGUF_KINDS' types is
+packed from its blocks as they are (pack_gguf): the same values, laid out for the kernels.
 
 The instruction set is picked at run time from the CPU's flags: AVX512-VNNI, then 256-bit VNNI
 (AVX-VNNI), then AVX2, then portable C. TOLLWAY_ISA, or the `isa` argument, forces a lower one,
@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tollway.model.host_memory import HugePageArena
@@ -27,14 +28,15 @@ from tollway.checkpoint import cache_root
 _log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCE = _HERE / "qmatmul.c"
-_HEADERS = (_HERE / "qmatmul_tile256.h", _HERE / "qmatmul_pruned_argmax.h")
+_HEADERS = tuple(sorted(_HERE.glob("*.h")))  # what qmatmul.c includes
 # No -march=native: each kernel carries its own target attribute, so the lower paths stay what
 # they claim to be. No FMA contraction: the float sums are written out, the same in every path.
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
-KINDS = ("q8", "q4", "q5")  # the weight formats
-Q5_COPIES = ("q8", "signed")  # the layouts of q5's copy, in the order of qmatmul.c's Q5_COPY_*
+KINDS = ("q8", "q5", "q4k")  # the weight formats
+# The GGUF tensor types packed as they are, and the format each becomes.
+GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k"}
 BLOCK = 32  # K values per scale
 # The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
 # bound by reading its weights, which the pruned one reads more of.
@@ -53,16 +55,15 @@ class Q8Library:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
-        self._q4_packed_bytes = _bind(lib.q4_packed_bytes, i64, i64, i64)
-        self._q4_fit = _bind(lib.q4_fit, i32, p, i64, i64, p, p, p)
-        self._q4_pack = _bind(lib.q4_pack, None, p, p, p, i64, i64, p)
-        self._q5_packed_bytes = _bind(lib.q5_packed_bytes, i64, i64, i64, i32)
-        self._q5_fit = _bind(lib.q5_fit, i32, p, i64, i64, p, p)
-        self._q5_pack = _bind(lib.q5_pack, None, p, p, i64, i64, p, i32)
-        self._q5_streamed_bytes = _bind(lib.q5_streamed_bytes, i64, p, i64, i64, i64, i32)
+        self._gguf_packers = {kind: (_bind(getattr(lib, f"{kind}_packed_bytes"), i64, i64, i64),
+                                     _bind(getattr(lib, f"{kind}_pack_gguf"), None, p, i64, i64, p))
+                              for kind in GGUF_KINDS.values()}  # (packed bytes, packer) per format
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
                          for kind in KINDS}  # (matmul, argmax) per weight format
+        self._kernels[PARTS] = (_bind(lib.parts_matmul, i32, p, i64, i64, i64, p, i64, p, i64, i32, i32), None)
+        self._gguf_rows = _bind(lib.gguf_rows, i32, i32, p, i64, i64, p, i64, p, p, i64)
+        self._gguf_rows_supported = _bind(lib.gguf_rows_supported, i32, i32)
         self._pack_pruning = _bind(lib.q8_pack_pruning, i32, p, i64, i64, p, p, p)
         self._signed_bytes = _bind(lib.signed_packed_bytes, i64, i64, i64)
         self._column_bytes = _bind(lib.q8_column_bytes, i64, i64)
@@ -80,9 +81,6 @@ class Q8Library:
         # Whether an LM head's argmax pays for pruning on a coarse copy here: where the coarse
         # values run a faster kernel than full-range int8 (AVX2's small-value one).
         self.prunes_argmax = bool(_bind(lib.q8_has_small_kernel, i32, i32)(ISAS.index(self.isa)))
-        # The layout of q5's copy for many rows: signed tiles where AVX2 runs them (as it does the
-        # coarse copy) faster than q8's layout, which the VNNI paths run best.
-        self.q5_copy = "signed" if self.prunes_argmax else "q8"
 
     def resolve(self, isa: str | None) -> str:
         """`isa` when this CPU runs it, the best it runs when None."""
@@ -114,65 +112,42 @@ class Q8Library:
             raise ValueError("weights beyond the range of fp16 block scales (or NaN)")
         return PackedWeight(self, "q8", data, n, k)
 
-    def pack_q4(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight | None:
-        """weight: [N, K] as q4 when every block of 32 is exactly 4-bit (see fit_q4), else None:
-        q4 never changes a weight. ValueError when K is not a multiple of 32."""
-        parts = self.fit_q4(weight)
-        return self.pack_q4_blocks(*parts, arena=arena) if parts is not None else None
+    def pack_gguf(self, gguf_type: str, blocks: np.ndarray, n: int, k: int, arena: HugePageArena | None = None) -> PackedWeight:
+        """A GGUF tensor [n, k] of `gguf_type` (a key of GGUF_KINDS), its rows' blocks as the file
+        holds them (`blocks`: n rows of bytes, e.g. a view of the file's memory map), in its format."""
+        kind = GGUF_KINDS[gguf_type]
+        packed_bytes, pack = self._gguf_packers[kind]
+        blocks = np.ascontiguousarray(blocks)
+        data = _empty(packed_bytes(n, k), arena)
+        pack(blocks.ctypes.data, n, k, data.data_ptr())
+        return PackedWeight(self, kind, data, n, k)
 
-    def fit_q4(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(q, scale, min) with float32(float32(scale * q) - min) == weight per block of 32, as GGUF's
-        Q4_K dequantizes, or None when a block is not 4-bit (or not finite)."""
-        n, k = weight.shape
-        if k % BLOCK:
-            raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
-        w = weight.float().contiguous()
-        q = torch.empty(n, k, dtype=torch.uint8)
-        scale, min = torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
-        if self._q4_fit(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), min.data_ptr()):
-            return None
-        return q, scale, min
+    def pack_parts(self, parts: list[PackedWeight]) -> PackedWeight:
+        """One linear of `parts` stacked along the outputs, each in its own format (a GGUF's q, k
+        and v of different types): each part's matmul writes its own columns."""
+        if len(parts) > _MAX_PARTS:
+            raise ValueError(f"a linear of {len(parts)} parts (at most {_MAX_PARTS})")
+        fields = [_Part(self.address(f"{w.kind}_matmul"), w.data.data_ptr(), w.out_features) for w in parts]
+        desc = _Parts(len(parts), (_Part * _MAX_PARTS)(*fields))
+        data = torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
+        packed = PackedWeight(self, PARTS, data, sum(w.out_features for w in parts), parts[0].in_features)
+        packed.parts = parts  # the parts' packings live as long as the descriptor that points at them
+        return packed
 
-    def pack_q4_blocks(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
-                       arena: HugePageArena | None = None) -> PackedWeight:
-        """q4 from its parts, w = scale * q - min: q [N, K] uint8 in 0..15, scale and min [N, K / 32] float32."""
-        n, k = q.shape
-        q, scale, min = q.contiguous(), scale.float().contiguous(), min.float().contiguous()
-        data = _empty(self._q4_packed_bytes(n, k), arena)
-        self._q4_pack(q.data_ptr(), scale.data_ptr(), min.data_ptr(), n, k, data.data_ptr())
-        return PackedWeight(self, "q4", data, n, k)
+    def reads_gguf_rows(self, type_code: int) -> bool:
+        """Whether gguf_rows reads tensors of this GGUF type (its number)."""
+        return bool(self._gguf_rows_supported(type_code))
 
-    def pack_q5(self, weight: torch.Tensor, arena: HugePageArena | None = None,
-                copy: str | None = None) -> PackedWeight | None:
-        """weight: [N, K] as q5 when every block of 32 is exactly d * (q - 16) with an fp16 d and q in
-        0..31 (see fit_q5), else None: q5 never changes a weight. ValueError when K is not a
-        multiple of 32. `copy`: as pack_q5_blocks."""
-        parts = self.fit_q5(weight)
-        return self.pack_q5_blocks(*parts, arena=arena, copy=copy) if parts is not None else None
-
-    def fit_q5(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(q, d) with float32(d * (q - 16)) == weight, q [N, K] uint8 in 0..31 and d [N, K / 32] float16,
-        as GGUF's Q5_0 dequantizes; or None when a block is not so (or not finite)."""
-        n, k = weight.shape
-        if k % BLOCK:
-            raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
-        w = weight.float().contiguous()
-        q, d = torch.empty(n, k, dtype=torch.uint8), torch.empty(n, k // BLOCK, dtype=torch.float16)
-        if self._q5_fit(w.data_ptr(), n, k, q.data_ptr(), d.data_ptr()):
-            return None
-        return q, d
-
-    def pack_q5_blocks(self, q: torch.Tensor, d: torch.Tensor, arena: HugePageArena | None = None,
-                       copy: str | None = None) -> PackedWeight:
-        """q5 from its parts, w = d * (q - 16): q [N, K] uint8 in 0..31, d [N, K / 32] float16. The packing
-        carries a copy for calls of more than a few rows (see qmatmul.c), in q8's layout or in signed
-        tiles (`copy`, self.q5_copy when None); every path runs either, to the same bits."""
-        n, k = q.shape
-        q, d = q.contiguous(), d.to(torch.float16).contiguous()
-        layout = Q5_COPIES.index(copy or self.q5_copy)
-        data = _empty(self._q5_packed_bytes(n, k, layout), arena)
-        self._q5_pack(q.data_ptr(), d.data_ptr(), n, k, data.data_ptr(), layout)
-        return PackedWeight(self, "q5", data, n, k)
+    def gguf_rows(self, type_code: int, table: np.ndarray, k: int, ids: torch.Tensor, scale: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` of a GGUF tensor of `type_code` ([rows, bytes per row], where the file holds
+        it) as float32 [len(ids), k], times `scale` (a 0-d float32 tensor) where given."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(len(ids), k) if out is None else out
+        if self._gguf_rows(type_code, table.ctypes.data, table.strides[0], k, ids.data_ptr(), len(ids),
+                           scale.data_ptr() if scale is not None else None, out.data_ptr(), out.stride(0)):
+            raise ValueError(f"gguf_rows does not read GGUF type {type_code}")
+        return out
 
     def add_pruning(self, weight: PackedWeight, arena: HugePageArena | None = None) -> bool:
         """Gives q8 `weight` the copies its argmax prunes on at PRUNED_ARGMAX_ROWS rows or more
@@ -228,14 +203,6 @@ class Q8Library:
                            weight.out_features, out.data_ptr(), self._isa_index(isa), torch.get_num_threads()))
         return out
 
-    def streamed_bytes(self, weight: PackedWeight, rows: int, isa: str | None = None) -> int:
-        """What a call of `rows` rows reads of `weight`'s packing: all of it, but for q5, its q5 tiles
-        or its copy."""
-        if weight.kind == "q5":
-            return self._q5_streamed_bytes(weight.data.data_ptr(), rows, weight.out_features, weight.in_features,
-                                           self._isa_index(isa))
-        return weight.data.numel()
-
     def _isa_index(self, isa: str | None) -> int:
         return ISAS.index(self.isa if isa is None else self.resolve(isa))
 
@@ -257,6 +224,18 @@ class Q8Library:
         return best
 
 
+PARTS = "parts"  # a linear of parts in different formats (Q8Library.pack_parts)
+_MAX_PARTS = 4  # qmatmul.c's MAX_PARTS
+
+
+class _Part(ctypes.Structure):  # qmatmul.c's parts_weight.parts[i]
+    _fields_ = [("matmul", ctypes.c_void_p), ("packed", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+class _Parts(ctypes.Structure):  # qmatmul.c's parts_weight
+    _fields_ = [("count", ctypes.c_int64), ("parts", _Part * _MAX_PARTS)]
+
+
 class PackedWeight:
     """One weight matrix packed as `kind`, one of KINDS (see qmatmul.c for the layouts)."""
 
@@ -264,6 +243,7 @@ class PackedWeight:
         self.library, self.kind, self.data = library, kind, data
         self.out_features, self.in_features = out_features, in_features
         self.pruning: Pruning | None = None  # see Q8Library.add_pruning
+        self.parts: list[PackedWeight] = []  # a PARTS weight's parts
 
     def __call__(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         return self.library.matmul(x, self, isa)
@@ -276,8 +256,9 @@ class PackedWeight:
         is the kind's plain argmax kernel alone."""
         return self.pruning is not None and rows >= PRUNED_ARGMAX_ROWS
 
-    def streamed_bytes(self, rows: int, isa: str | None = None) -> int:
-        return self.library.streamed_bytes(self, rows, isa)
+    def streamed_bytes(self) -> int:
+        """What a call reads of this weight: all of its packing."""
+        return self.data.numel()
 
 
 @dataclass
