@@ -143,3 +143,20 @@ def test_each_output_carries_what_its_step_added_and_the_last_the_whole(engine):
                 final = out
     assert final.finished and final.token_ids == ids and len(ids) == 12 and counts == list(range(1, 13))
     assert final.logprobs == logprobs and [e["token_id"] for e in logprobs] == ids
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_packed(tiny_gguf, tmp_path, monkeypatch):
+    from tollway import engine as engine_module
+    from tollway.config import EngineConfig, SchedulerConfig
+    from tollway.engine import Engine
+    from tollway.model import runner
+
+    built = []
+    monkeypatch.setattr(runner, "LinearBuilder", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 1 << 16)  # 64 KiB free
+    config = EngineConfig(model=str(tiny_gguf), cache_dir=str(tmp_path), scheduler=SchedulerConfig(num_blocks=64))
+    with pytest.raises(ValueError, match=r"tiny.*\.gguf: needs 0\.0 GiB .*, 0\.0 GiB available"):
+        Engine(config, progress=False)
+    assert not built
+    monkeypatch.undo()
+    Engine(config, progress=False)  # with the machine's own memory it loads

@@ -11,6 +11,8 @@ import torch
 from tqdm import tqdm
 
 from tollway.config import EngineConfig, kv_pool_blocks
+from tollway.model.host_memory import available_memory
+from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.grammar import Grammars
@@ -43,6 +45,18 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _refuse_what_cannot_fit(loaded: LoadedModel, sched, kv_itemsize: int) -> None:
+    """ValueError, before any weight is packed or KV page taken, where the weights and the KV pool
+    need more memory than the machine has available: refused at start, not killed halfway."""
+    available = available_memory()
+    kv = sched.num_blocks * sched.block_size * loaded.config.kv_bytes_per_token(kv_itemsize)
+    native = set(GGUF_KINDS) if "q8" in sched.kernels_to_load() else set()
+    need = loaded.resident_bytes(native) + kv
+    if available is not None and need > available:
+        raise ValueError(f"{loaded.source}: needs {need / 2**30:.1f} GiB ({kv / 2**30:.1f} of them the KV cache), "
+                         f"{available / 2**30:.1f} GiB available")
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, progress: bool = True, loaded: LoadedModel | None = None):
         """`loaded` reuses weights already in memory (tests build several engines on one model)."""
@@ -66,6 +80,9 @@ class Engine:
                                                   sched.block_size)
             sched.fit_context(self.model_config.max_position_embeddings)
             sched.validate()
+            if self.device.type == "cpu":
+                _refuse_what_cannot_fit(loaded, sched, kv_dtype_for(self.device, config.kv_cache_dtype,
+                                                                   sched.kernels_to_load()).itemsize)
             with ThreadPoolExecutor(1) as pool:
                 # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
                 tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path, config.chat_template) if loaded.tokenizer_path else None

@@ -30,6 +30,19 @@ _M_MMAP_THRESHOLD = -3
 _applied = False
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None where it
+    does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def keep_freed_memory() -> None:
     global _applied
     if _applied:

@@ -91,6 +91,15 @@ class LoadedModel:
         (model/reference.py), not for serving."""
         return {name: t.float() for name, t in self.tensors.items()}
 
+    def resident_bytes(self, native_types: set[str]) -> int:
+        """What its weights take once loaded: a GGUF tensor of `native_types` at about its own bytes
+        (the packings' scales take up to 3% more), any other as float32."""
+        total = 0
+        for t in self.tensors.values():
+            native = isinstance(t, GGUFWeight) and t.gguf_type.name in native_types
+            total += int(t.nbytes * 1.03) if native else t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) * 4
+        return total
+
     def release_pages(self) -> None:
         """Gives back the pages of the GGUF file this process has read (packing the weights reads
         all of them), so they stop counting as its memory; what is read again comes back from the
