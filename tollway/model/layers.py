@@ -102,7 +102,7 @@ class LinearBuilder:
     """Makes Linear layers from named weights, concatenating several names into one matmul
     (q/k/v, gate/up). A GGUF's weights are packed from the file's blocks at their own width, parts
     of different types each in its own format (Q8Library.pack_parts); a type without a native
-    format runs the fp32 matmul, with one log line. int8 copies are taken from `int8` when there
+    format is dequantized and packed as int8 blocks (exact for Q4_0's values), with one log line. int8 copies are taken from `int8` when there
     and added to it when not, so the runner can keep them on disk: quantizing 270M weights takes
     seconds at every start."""
 
@@ -132,7 +132,8 @@ class LinearBuilder:
             return None
         missing = [f"{n} ({w.gguf_type.name})" for n, w in zip(names, weights) if w.gguf_type.name not in GGUF_KINDS]
         if missing:
-            _log.warning("no native kernel for %s: the fp32 matmul runs it", ", ".join(missing))
+            _log.warning("no native format for %s: packed as int8 blocks, exact where its values allow",
+                         ", ".join(missing))
             return None
         runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: w.gguf_type)]
         parts = []
