@@ -172,12 +172,15 @@ class Rotary:
         inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
         self.half = head_dim // 2
-        sin = emb.sin() * attention_factor
-        self.cos = (emb.cos() * attention_factor).to(device)
+        # transformers takes cos and sin of [freqs, freqs]: each half's are the same values, so they
+        # are computed once (a table is tens of MB at a 32k context: its start time was in these ops)
+        sin, cos = freqs.sin(), freqs.cos()
+        if attention_factor != 1.0:
+            sin, cos = sin * attention_factor, cos * attention_factor
+        self.cos = torch.cat([cos, cos], dim=-1).to(device)
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi], bit for bit, in fewer ops.
-        self.signed_sin = torch.cat([-sin[:, : self.half], sin[:, self.half:]], dim=-1).to(device)
+        self.signed_sin = torch.cat([-sin, sin], dim=-1).to(device)
         self._rows = (None, None, None)  # (positions, cos, signed sin) of the step in flight
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,8 @@ def compiled_library(source: Path, folder: Path, flags: list[str], headers: tupl
         _warn_no_compiler()
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         parts = [p.read_bytes() for p in (source, *headers)]
-        key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(),
+        key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), _compiler_identity(cc),
                                          platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
         lib = folder / f"{name}-{key}.so"
         if lib.is_file():
@@ -63,6 +62,13 @@ def compiled_library(source: Path, folder: Path, flags: list[str], headers: tupl
     except (OSError, subprocess.SubprocessError) as exc:
         _log.warning("could not build %s (%s): using %s", source.name, exc, fallback)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cc: str) -> bytes:
+    """`cc --version`, asked once a process: each start builds three sources, and forking the
+    compiler from a process holding the model's pages is slow."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.encode()
 
 
 @functools.lru_cache(maxsize=None)
