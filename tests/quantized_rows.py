@@ -1,6 +1,5 @@
 """For the tests of qmatmul.c's weight formats: activations as it quantizes them, and the checks
 every format passes on every path."""
-import pytest
 import torch
 
 
@@ -10,20 +9,6 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(-1)
     qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
     return qx, (amax / 127).double()
-
-
-def check_path_against_model(native_library, isa: str, kind: str, x: torch.Tensor, w: torch.Tensor,
-                             model: tuple[torch.Tensor, torch.Tensor], **packing) -> None:
-    """w packed as `kind` (with `packing`'s arguments) and run on `isa` gives the model's (product,
-    size of its terms) within float32's rounding of each term."""
-    if isa not in native_library.supported:
-        pytest.skip(f"this CPU does not run {isa}")
-    packed = getattr(native_library, f"pack_{kind}")(w, **packing)
-    assert packed is not None and packed.kind == kind
-    y = packed(x, isa)
-    ref, size = model
-    assert y.shape == ref.shape
-    assert ((y.double() - ref).abs() <= 1e-6 * size + 1e-30).all()
 
 
 def check_fused_argmax(native_library, packed, x: torch.Tensor) -> None:

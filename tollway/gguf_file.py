@@ -101,10 +101,16 @@ class GGUFFile:
             raise ValueError(f"{self.path} is cut short: tensor {name} ends past the end of the file")
         return GGUFTensor(name, kind, dims, self._map[at:at + nbytes].view(dtype).reshape(shape))
 
-    def release_pages(self) -> None:
-        """Drops this process's pages of the file (they stay in the page cache): what was read
-        stops counting as its resident memory, and a later read faults the page in again."""
-        self._mmap.madvise(mmap.MADV_DONTNEED)
+    def release_pages(self, part: np.ndarray | None = None) -> None:
+        """Drops this process's pages of the file, or of `part` of it (a tensor's data): they stay
+        in the page cache, what was read stops counting as this process's memory, and a later read
+        faults the page in again."""
+        if part is None:
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+            return
+        start = part.ctypes.data - self._map.ctypes.data
+        first = start - start % mmap.PAGESIZE
+        self._mmap.madvise(mmap.MADV_DONTNEED, first, start + part.nbytes - first)
 
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._buf, self._at)

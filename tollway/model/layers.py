@@ -5,6 +5,7 @@ dtype with the step's kernel, so the kernel choice is a per-step decision.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -44,25 +45,27 @@ class Linear:
     """y = x @ W.T (+ b), with one weight copy per kernel this runner may pick.
 
     q8 is the native integer matmul (native/qmatmul.py) when `q8` (the library) is given: `native`,
-    a GGUF weight packed at its own width, or else `weight` (float) packed as int8 blocks where
+    a GGUF weight packed at its own width, or else the weight packed as int8 blocks where
     in_features is a multiple of its block; otherwise that layer runs the fp32 matmul for it.
-    `weight` is a function giving the float weight, called only where a copy needs it."""
+    `weight`: a tensor, or anything with its .shape and .float() (a GGUFWeight, Stacked), made
+    float only where a copy needs it."""
 
-    def __init__(self, weight, shape: tuple[int, int], bias: torch.Tensor | None, kernels: set[str],
-                 device: torch.device, int8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 q8: Q8Library | None = None, arena: HugePageArena | None = None, native=None):
-        self.out_features, self.in_features = shape
+    def __init__(self, weight, bias: torch.Tensor | None, kernels: set[str], device: torch.device,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, q8: Q8Library | None = None,
+                 arena: HugePageArena | None = None, native=None):
+        self.out_features, self.in_features = weight.shape
         self.bias = bias.float().to(device) if bias is not None else None
+        values = functools.cache(weight.float)
         wants_native = "q8" in kernels and q8 is not None
         if wants_native and native is None:
-            native = self._packed(q8, weight(), arena)
+            native = self._packed(q8, values(), arena)
         self.native = native if wants_native else None
         dense = "fp32" in kernels or ("q8" in kernels and self.native is None)
-        self.fp32 = weight().float().to(device) if dense else None
-        self.bf16 = weight().to(torch.bfloat16).to(device) if "bf16" in kernels else None
+        self.fp32 = values().to(device) if dense else None
+        self.bf16 = values().to(torch.bfloat16).to(device) if "bf16" in kernels else None
         self.int8 = self.int8_scales = None
         if "int8" in kernels:
-            q, scales = int8 if int8 is not None else quantize_int8(weight().float())
+            q, scales = int8 if int8 is not None else quantize_int8(values())
             self.int8, self.int8_scales = q.to(device), scales.to(device)
 
     def _packed(self, q8: Q8Library, w: torch.Tensor, arena: HugePageArena | None):
@@ -115,15 +118,14 @@ class LinearBuilder:
     def __call__(self, *names: str) -> Linear:
         t = self.tensors
         weights = [t[f"{n}.weight"] for n in names]
-        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
         bias = torch.cat([t[f"{n}.bias"] for n in names]) if f"{names[0]}.bias" in t else None
         int8 = None
         if "int8" in self.kernels:
             parts = [self._int8(n) for n in names]
             int8 = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
         native = self._gguf_packed(names, weights) if "q8" in self.kernels and self.q8 is not None else None
-        return Linear(lambda: torch.cat([w.float() for w in weights]) if len(weights) > 1 else weights[0].float(),
-                      shape, bias, self.kernels, self.device, int8, self.q8, self.arena, native)
+        return Linear(Stacked(weights) if len(weights) > 1 else weights[0], bias, self.kernels, self.device, int8,
+                      self.q8, self.arena, native)
 
     def _gguf_packed(self, names: tuple[str, ...], weights: list):
         """The GGUF weights `weights` packed as they are, or None where they are not all GGUF
@@ -140,6 +142,8 @@ class LinearBuilder:
         for run in runs:  # neighbours of one type stacked into one packing
             blocks = np.concatenate([w.blocks for w in run]) if len(run) > 1 else run[0].blocks
             parts.append(self.q8.pack_gguf(run[0].gguf_type.name, blocks, len(blocks), run[0].shape[1], self.arena))
+            for w in run:  # packed: its file pages would otherwise stay this process's memory till the load ends
+                w.release_pages()
         return parts[0] if len(parts) == 1 else self.q8.pack_parts(parts)
 
     def head(self, name: str) -> Linear:
@@ -157,6 +161,18 @@ class LinearBuilder:
         return self.int8[name], self.int8[f"{name}.scales"]
 
 
+class Stacked:
+    """Weights stacked along their outputs (q/k/v, gate/up), concatenated only where a float copy
+    is made."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def float(self) -> torch.Tensor:
+        return torch.cat([p.float() for p in self.parts])
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8; scales are bf16 as the int8 matmul kernel wants."""
     scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)
@@ -165,7 +181,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Rotary:
-    """cos/sin tables for rotate-half RoPE, computed in float32 the way transformers does."""
+    """cos/sin tables for rotate-half RoPE, computed in float32 the way transformers does: of one
+    half of a head, [positions, head_dim / 2], for the other half turns by the same angles."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None, device: torch.device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -173,21 +190,19 @@ class Rotary:
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         self.half = head_dim // 2
-        # transformers takes cos and sin of [freqs, freqs]: each half's are the same values, so they
-        # are computed once (a table is tens of MB at a 32k context: its start time was in these ops)
         sin, cos = freqs.sin(), freqs.cos()
         if attention_factor != 1.0:
             sin, cos = sin * attention_factor, cos * attention_factor
-        self.cos = torch.cat([cos, cos], dim=-1).to(device)
-        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi], bit for bit, in fewer ops.
-        self.signed_sin = torch.cat([-sin, sin], dim=-1).to(device)
+        self.cos, self.sin = cos.to(device), sin.to(device)
         self._rows = (None, None, None)  # (positions, cos, signed sin) of the step in flight
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_dim]. Every layer of a step passes the same positions tensor:
         # look its rows up once per step, not once per layer.
         if self._rows[0] is not positions:
-            self._rows = (positions, self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1))
+            # rotate_half(x) * sin == roll(x, half) * [-sin, sin], bit for bit, in fewer ops.
+            cos, sin = self.cos[positions], self.sin[positions]
+            self._rows = (positions, torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([-sin, sin], -1).unsqueeze(1))
         _, cos, signed_sin = self._rows
         return x * cos + x.roll(self.half, dims=-1) * signed_sin
 

@@ -31,7 +31,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):  # row_ops.c's `layer`
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", _p), ("post_attn_norm", _p), ("pre_ff_norm", _p), ("post_ff_norm", _p),
-                ("qk_norm", _p), ("cos", _p), ("signed_sin", _p), ("k_cache", _p), ("v_cache", _p),
+                ("qk_norm", _p), ("cos", _p), ("sin", _p), ("k_cache", _p), ("v_cache", _p),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("width", _i64), ("window", _i64),
                 ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("activation", _i32), ("kv_half", _i32)]
 
@@ -178,7 +178,7 @@ class NativeLayers:
             (desc.input_norm, desc.post_attn_norm, desc.pre_ff_norm,
              desc.post_ff_norm) = (pointer(n) for n in layer.norms)
             desc.qk_norm = pointer(attn.qk_norm)
-            desc.cos, desc.signed_sin = attn.rotary.cos.data_ptr(), attn.rotary.signed_sin.data_ptr()
+            desc.cos, desc.sin = attn.rotary.cos.data_ptr(), attn.rotary.sin.data_ptr()
             desc.k_cache, desc.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
             desc.heads, desc.kv_heads, desc.head_dim = attn.heads, attn.kv_heads, attn.head_dim
             desc.width, desc.window = mlp.width, attn.window

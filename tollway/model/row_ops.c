@@ -64,15 +64,16 @@ void add_rms_norm(float *x, const float *h, const float *h_w, const float *w, fl
 }
 
 /* Per-head RMS norm (w: [heads * d], or NULL for none) then rotate-half RoPE, for the q and k
-   heads at the start of each qkv row. cos and signed_sin are [positions, d] tables (signed_sin
-   carries the sign of rotate_half); out is [rows, heads, d]. */
+   heads at the start of each qkv row. cos and sin are [positions, d / 2] tables: both halves of a
+   head turn by the same angles, so x * cos + rotate_half(x) * sin takes each value twice (adding
+   a product of -sin is subtracting the product of sin, exactly); out is [rows, heads, d]. */
 void qk_norm_rope(const float *qkv, int64_t stride, int64_t rows, int64_t heads, int64_t d, const float *w, float eps,
-                  const float *cos, const float *signed_sin, const int64_t *positions, float *out) {
+                  const float *cos, const float *sin, const int64_t *positions, float *out) {
     int64_t half = d / 2;
     float buf[d];
     for (int64_t t = 0; t < rows; t++) {
-        const float *c = cos + positions[t] * d;
-        const float *s = signed_sin + positions[t] * d;
+        const float *c = cos + positions[t] * half;
+        const float *s = sin + positions[t] * half;
         for (int64_t j = 0; j < heads; j++) {
             const float *xr = qkv + t * stride + j * d;
             float *o = out + (t * heads + j) * d;
@@ -84,8 +85,8 @@ void qk_norm_rope(const float *qkv, int64_t stride, int64_t rows, int64_t heads,
                 memcpy(buf, xr, d * sizeof(float));
             }
             for (int64_t i = 0; i < half; i++) {
-                o[i] = buf[i] * c[i] + buf[i + half] * s[i];
-                o[i + half] = buf[i + half] * c[i + half] + buf[i] * s[i + half];
+                o[i] = buf[i] * c[i] - buf[i + half] * s[i];
+                o[i + half] = buf[i + half] * c[i] + buf[i] * s[i];
             }
         }
     }
@@ -711,7 +712,7 @@ typedef struct {
        (Llama) block has no post norms: x += o; normed = pre_ff(x); x += down. */
     const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm;
     const float *qk_norm;  /* [heads + kv_heads, d] or NULL */
-    const float *cos, *signed_sin;
+    const float *cos, *sin;
     void *k_cache, *v_cache;
     int64_t heads, kv_heads, head_dim, width, window;
     float eps, scale, softcap;
@@ -777,7 +778,7 @@ static void rows_part(void *ctx, int part, int parts) {
         case OP_QK_ROPE_KV: {
             float *qk = s->qk + t0 * qk_heads * d;
             const float *qkv = s->qkv + t0 * l->qkv.n;
-            qk_norm_rope(qkv, l->qkv.n, n, qk_heads, d, l->qk_norm, l->eps, l->cos, l->signed_sin, s->positions + t0,
+            qk_norm_rope(qkv, l->qkv.n, n, qk_heads, d, l->qk_norm, l->eps, l->cos, l->sin, s->positions + t0,
                          qk);
             write_kv(qk + l->heads * d, qk_heads * d, qkv + qk_heads * d, l->qkv.n, n, l->kv_heads * d, s->slots + t0,
                      l->k_cache, l->v_cache, l->kv_half);

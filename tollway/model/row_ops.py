@@ -115,7 +115,7 @@ class NativeRowOps(TorchRowOps):
     def qk_norm_rope(self, qkv, heads, head_dim, weight, eps, rotary, positions):
         out = torch.empty(qkv.shape[0], heads, head_dim)
         self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, head_dim, pointer(weight), eps,
-                           rotary.cos.data_ptr(), rotary.signed_sin.data_ptr(), positions.data_ptr(), out.data_ptr())
+                           rotary.cos.data_ptr(), rotary.sin.data_ptr(), positions.data_ptr(), out.data_ptr())
         return out
 
     def attention(self, qk, v, heads, cache, meta, layer_type, window, scale, softcap):

@@ -59,20 +59,34 @@ _TEXT_PREFIXES = (
 
 @dataclass
 class GGUFWeight:
-    """A quantized tensor of a GGUF file, as the file holds it: `blocks` are its rows' bytes, a
-    view of the file's memory map (or, for llama's Q and K, their rows put in HF's order)."""
+    """A quantized tensor of a GGUF file, as the file holds it: its rows' blocks, a view of the
+    file's memory map, in HF's row order (llama's Q and K rows are put back from llama.cpp's
+    rotary order only where they are read: a copy of all of them would outlive the load in the
+    heap)."""
 
     gguf_type: GGMLQuantizationType
-    blocks: np.ndarray  # [rows, bytes per row] uint8
+    data: np.ndarray  # [rows, bytes per row] uint8, the file's
     shape: tuple[int, int]  # (rows, values per row): the HF weight's shape
+    file: GGUFFile | None = None
+    row_order: np.ndarray | None = None  # HF row i is the file's row row_order[i]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """[rows, bytes per row] in HF's row order: the file's bytes in place where it has that order."""
+        return self.data if self.row_order is None else self.data[self.row_order]
 
     def float(self) -> torch.Tensor:
         """Its values in float32, as GGUF dequantizes them: for the torch path and for tests."""
         return torch.from_numpy(np.require(dequantize(self.blocks, self.gguf_type), np.float32, ["C", "W"]))
 
+    def release_pages(self) -> None:
+        """Gives back the pages of the file this tensor was read from (see GGUFFile.release_pages)."""
+        if self.file is not None:
+            self.file.release_pages(self.data)
+
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return self.data.nbytes
 
 
 @dataclass
@@ -215,8 +229,8 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tens
         heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
         rotary = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and len(t.shape) == 2:
-            blocks = _unpermute_rotary(t.data, heads) if rotary else t.data
-            weight = GGUFWeight(t.tensor_type, blocks, (int(t.shape[1]), int(t.shape[0])))
+            order = _unpermute_rotary(np.arange(len(t.data)), heads) if rotary else None
+            weight = GGUFWeight(t.tensor_type, t.data, (int(t.shape[1]), int(t.shape[0])), reader, order)
         else:  # plain numbers: norms, and the weights of unquantized files
             values = dequantize(t.data, t.tensor_type) if t.tensor_type != GGMLQuantizationType.F32 else t.data
             if config.architecture == "gemma3" and t.name.endswith("norm.weight"):

@@ -972,6 +972,8 @@ typedef struct {
     tile_kernel (*kernel_for)(int isa);
     tile_kernel (*small_kernel_for)(int isa);
     int unsigned_activations;
+    /* NULL, or a pass after quantizing that rewrites xo as the format's kernels take it (q6k) */
+    void (*activation_sums)(const int8_t *xq, int32_t *xo, int64_t m, int64_t k, int threads);
 } format;
 
 static tile_kernel q8_kernel_for(int isa) {
@@ -1026,6 +1028,7 @@ static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for, 0},
 /* The GGUF K-quant formats, a file each: the layout, the packing of the file's blocks, the kernels
    and the format. */
 #include "qmatmul_q4k.h"
+#include "qmatmul_q6k.h"
 #include "gguf_rows.h"
 
 /* ---- the matmul ---- */
@@ -1232,6 +1235,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     float *xs;
     int32_t *xo;
     quantize_rows(x, ldx, m, k, best_col + (y ? 0 : ranges * m * TILE), &xq, &xs, &xo, isa, threads);
+    if (f->activation_sums) f->activation_sums(xq, xo, m, k, threads);
     int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {f->kernel_for(isa), f->small_kernel_for(isa), packed + tiles * f->tile_bytes(k), f->tile_bytes(k),
                     f->unsigned_activations ? unsigned_activations(xq, m, k) : xq, xs, xo, m, k, n, nb, row_chunk,
@@ -1270,6 +1274,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
 MATMUL_ENTRIES(q8, Q8)
 MATMUL_ENTRIES(q5, Q5)
 MATMUL_ENTRIES(q4k, Q4K)
+MATMUL_ENTRIES(q6k, Q6K)
 /* (each GGUF format's file adds its line here) */
 
 /* A linear whose parts are packed in different formats (a GGUF's q, k and v of two types, fused

@@ -34,9 +34,9 @@ _HEADERS = tuple(sorted(_HERE.glob("*.h")))  # what qmatmul.c includes
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
-KINDS = ("q8", "q5", "q4k")  # the weight formats
+KINDS = ("q8", "q5", "q4k", "q6k")  # the weight formats
 # The GGUF tensor types packed as they are, and the format each becomes.
-GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k"}
+GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k", "Q6_K": "q6k"}
 BLOCK = 32  # K values per scale
 # The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
 # bound by reading its weights, which the pruned one reads more of.
