@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from tollway.config import EngineConfig, kv_pool_blocks
-from tollway.model.host_memory import available_memory
+from tollway.model.host_memory import available_memory, return_freed_memory
 from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -120,6 +120,7 @@ class Engine:
         # What loading built lives as long as the engine: frozen out of the collector's way, so
         # full collections mid-run skip the tokenizer's tables (they took 1.7% of a prefill).
         gc.freeze()
+        return_freed_memory()
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, tier: str = "standard",

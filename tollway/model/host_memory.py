@@ -56,6 +56,16 @@ def keep_freed_memory() -> None:
         pass
 
 
+def return_freed_memory() -> None:
+    """Gives the heap's free pages back to the system, once, after loading: building the tokenizer
+    parses a JSON file of tens of MB into a tree twice the size of what it keeps, and
+    keep_freed_memory would hold that peak for the process's life."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its own policy stands
+        pass
+
+
 def huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialized uint8 tensor of `nbytes` in a fresh anonymous mapping advised for huge
     pages, starting on a 2 MiB boundary. Its pages are faulted in at first touch; the tensor
