@@ -195,3 +195,17 @@ def test_a_corrupted_byte_is_caught(native_library, gguf_type):
                 assert (error > bound).any(), (at, isa)
         finally:
             packed.data[at] = original
+
+
+@pytest.mark.parametrize("gguf_type", TYPES)
+def test_packing_a_part_at_a_time_gives_the_same_bytes_and_reports_each_part(native_library, gguf_type, monkeypatch):
+    from tollway.model.native import qmatmul
+
+    n, k = 1000, 256
+    blocks = _blocks(gguf_type, n, k)
+    whole = native_library.pack_gguf(gguf_type, blocks, n, k)
+    monkeypatch.setattr(qmatmul, "PACK_CHUNK_BYTES", blocks.strides[0] * 16 * 5)  # 5 tiles a part
+    done = []
+    parts = native_library.pack_gguf(gguf_type, blocks, n, k, packed_rows=lambda start, end: done.append((start, end)))
+    assert torch.equal(parts.data, whole.data)
+    assert done == [(start, min(n, start + 80)) for start in range(0, n, 80)]

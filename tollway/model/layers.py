@@ -141,8 +141,12 @@ class LinearBuilder:
         parts = []
         for run in runs:  # neighbours of one type stacked into one packing
             blocks = np.concatenate([w.blocks for w in run]) if len(run) > 1 else run[0].blocks
-            parts.append(self.q8.pack_gguf(run[0].gguf_type.name, blocks, len(blocks), run[0].shape[1], self.arena))
-            for w in run:  # packed: its file pages would otherwise stay this process's memory till the load ends
+            # A packed part's pages of the file would stay this process's memory till the load
+            # ends: the largest tensor's part of the peak. Let go of them as it goes.
+            alone = run[0] if len(run) == 1 and run[0].row_order is None else None
+            parts.append(self.q8.pack_gguf(run[0].gguf_type.name, blocks, len(blocks), run[0].shape[1], self.arena,
+                                           alone.release_pages if alone is not None else None))
+            for w in run:
                 w.release_pages()
         return parts[0] if len(parts) == 1 else self.q8.pack_parts(parts)
 

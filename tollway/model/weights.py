@@ -79,10 +79,11 @@ class GGUFWeight:
         """Its values in float32, as GGUF dequantizes them: for the torch path and for tests."""
         return torch.from_numpy(np.require(dequantize(self.blocks, self.gguf_type), np.float32, ["C", "W"]))
 
-    def release_pages(self) -> None:
-        """Gives back the pages of the file this tensor was read from (see GGUFFile.release_pages)."""
+    def release_pages(self, start: int = 0, end: int | None = None) -> None:
+        """Gives back this process's pages of the file's rows start..end of this tensor (all of
+        them by default; see GGUFFile.release_pages)."""
         if self.file is not None:
-            self.file.release_pages(self.data)
+            self.file.release_pages(self.data[start:end])
 
     @property
     def nbytes(self) -> int:

@@ -312,6 +312,10 @@ static void run_parallel(int threads, task_fn fn, void *ctx) {
 /* run_parallel for other native code (row_ops.c's layer loop): one pool for the whole step. */
 void q8_parallel(int threads, task_fn fn, void *ctx) { run_parallel(threads, fn, ctx); }
 
+/* The threads a call asks for, within what the pool runs. */
+static int clamped_threads(int threads) { return threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads; }
+
+
 /* ---- packing, in parallel over tiles ---- */
 
 typedef struct { const float *w; int64_t n, k; uint8_t *out; atomic_llong overflows; } pack_job;
@@ -340,12 +344,12 @@ static uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); retur
 
 #define Q8_0_BYTES 34  /* fp16 d, 32 int8 values: w = d * q */
 
-/* Q8_0 rows -> q8 (q8_packed_bytes(n, k) bytes at out). */
-void q8_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
+/* Q8_0 rows -> tiles t0..t1 of q8 (q8_packed_bytes(n, k) bytes at out). */
+static void q8_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1) {
     int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE, tb = q8_tile_bytes(k);
     uint8_t *largest = out + tiles * tb;
-    memset(out, 128, (size_t)(tiles * tb));  /* padding rows: value 0 */
-    for (int64_t t = 0; t < tiles; t++) {
+    memset(out + t0 * tb, 128, (size_t)((t1 - t0) * tb));  /* padding rows: value 0 */
+    for (int64_t t = t0; t < t1; t++) {
         uint8_t *tile = out + t * tb;
         uint16_t *scales = (uint16_t *)(tile + nb * BLOCK_BYTES);
         int top = 0;
@@ -354,10 +358,16 @@ void q8_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *src = blocks + (row * nb + b) * Q8_0_BYTES;
                 scales[b * TILE + r] = row < n ? read_u16(src) : 0;
-                for (int i = 0; i < QBLOCK && row < n; i++) {
-                    int v = (int8_t)src[2 + i];
-                    tile[b * BLOCK_BYTES + (i / 4) * TILE * 4 + r * 4 + i % 4] = (uint8_t)(v + 128);
-                    top = abs(v) > top ? abs(v) : top;
+                if (row >= n) continue;
+                for (int g = 0; g < GROUPS; g++) {  /* + 128, four bytes at a time */
+                    uint32_t four;
+                    memcpy(&four, src + 2 + g * 4, 4);
+                    four ^= 0x80808080u;
+                    memcpy(tile + b * BLOCK_BYTES + g * TILE * 4 + r * 4, &four, 4);
+                }
+                for (int i = 0; i < QBLOCK; i++) {
+                    int v = abs((int8_t)src[2 + i]);
+                    top = v > top ? v : top;
                 }
             }
         }
@@ -367,11 +377,11 @@ void q8_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
 
 #define Q5_0_BYTES 22  /* fp16 d, 32 fifth bits, 16 bytes of nibbles (value j low, j + 16 high): w = d * (q - 16) */
 
-/* Q5_0 rows -> q5 (q5_packed_bytes(n, k) bytes at out). */
-void q5_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
-    int64_t nb = k / QBLOCK, tiles = (n + TILE - 1) / TILE;
-    memset(out, 0, (size_t)q5_packed_bytes(n, k));  /* padding rows: zero scales */
-    for (int64_t t = 0; t < tiles; t++) {
+/* Q5_0 rows -> tiles t0..t1 of q5 (q5_packed_bytes(n, k) bytes at out). */
+static void q5_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1) {
+    int64_t nb = k / QBLOCK;
+    memset(out + t0 * q5_tile_bytes(k), 0, (size_t)((t1 - t0) * q5_tile_bytes(k)));  /* padding rows: zero scales */
+    for (int64_t t = t0; t < t1; t++) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *block = out + (t * nb + b) * Q5_BLOCK_BYTES, *high = block + Q4_NIBBLES;
             uint16_t *scales = (uint16_t *)(high + Q5_HIGH);
@@ -388,6 +398,32 @@ void q5_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
         }
     }
 }
+
+/* Packs tiles t0..t1 of a tensor of n rows from its GGUF blocks, with `threads` threads; each
+   format's file names its own X_pack_tiles, and GGUF_PACKER(X) exports X_pack_gguf. Loading packs
+   a large tensor a part at a time, so that the file's pages of each part can be let go. */
+typedef void (*tiles_packer)(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1);
+typedef struct {
+    tiles_packer pack;
+    const uint8_t *blocks;
+    int64_t n, k, t0, t1;
+    uint8_t *out;
+} gguf_pack_job;
+
+static void gguf_pack_part(void *ctx, int part, int parts) {
+    gguf_pack_job *j = ctx;
+    int64_t span = j->t1 - j->t0;
+    j->pack(j->blocks, j->n, j->k, j->out, j->t0 + span * part / parts, j->t0 + span * (part + 1) / parts);
+}
+
+#define GGUF_PACKER(kind)                                                                                    \
+    void kind##_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1, \
+                          int threads) {                                                                     \
+        gguf_pack_job j = {kind##_pack_tiles, blocks, n, k, t0, t1, out};                                    \
+        run_parallel(clamped_threads(threads), gguf_pack_part, &j);                                          \
+    }
+GGUF_PACKER(q8)
+GGUF_PACKER(q5)
 
 /* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----
    Stored in groups of MAX_ROWS rows, block-major within a group, so a kernel finds block b of
@@ -1184,8 +1220,6 @@ static void *scratch_reserve(size_t need) {
 /* m rows rounded up to whole groups of MAX_ROWS, as the quantized activations hold them. */
 static int64_t padded_rows(int64_t m) { return (m + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS; }
 
-/* The threads a call asks for, within what the pool runs. */
-static int clamped_threads(int threads) { return threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads; }
 
 /* Bytes of a call's quantized activations, and room for them in u8 after them where `f` takes that. */
 static size_t quantized_bytes(const format *f, int64_t m, int64_t k) {

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ KINDS = ("q8", "q5", "q4k", "q6k")  # the weight formats
 # The GGUF tensor types packed as they are, and the format each becomes.
 GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k", "Q6_K": "q6k"}
 BLOCK = 32  # K values per scale
+TILE = 16  # output rows per tile
+PACK_CHUNK_BYTES = 32 << 20  # of a GGUF tensor's blocks packed at a time (Q8Library.pack_gguf)
 # The fewest rows a pruned argmax runs for (Q8Library.add_pruning): below, the exact head is
 # bound by reading its weights, which the pruned one reads more of.
 PRUNED_ARGMAX_ROWS = 4
@@ -56,7 +59,7 @@ class Q8Library:
         self._packed_bytes = _bind(lib.q8_packed_bytes, i64, i64, i64)
         self._pack = _bind(lib.q8_pack, i64, p, i64, i64, p, i32)
         self._gguf_packers = {kind: (_bind(getattr(lib, f"{kind}_packed_bytes"), i64, i64, i64),
-                                     _bind(getattr(lib, f"{kind}_pack_gguf"), None, p, i64, i64, p))
+                                     _bind(getattr(lib, f"{kind}_pack_gguf"), None, p, i64, i64, p, i64, i64, i32))
                               for kind in GGUF_KINDS.values()}  # (packed bytes, packer) per format
         self._kernels = {kind: (_bind(getattr(lib, f"{kind}_matmul"), i32, p, i64, i64, i64, p, i64, p, i64, i32, i32),
                                 _bind(getattr(lib, f"{kind}_matmul_argmax"), i32, p, i64, i64, i64, p, i64, p, i32, i32))
@@ -112,14 +115,23 @@ class Q8Library:
             raise ValueError("weights beyond the range of fp16 block scales (or NaN)")
         return PackedWeight(self, "q8", data, n, k)
 
-    def pack_gguf(self, gguf_type: str, blocks: np.ndarray, n: int, k: int, arena: HugePageArena | None = None) -> PackedWeight:
+    def pack_gguf(self, gguf_type: str, blocks: np.ndarray, n: int, k: int, arena: HugePageArena | None = None,
+                  packed_rows: Callable[[int, int], None] | None = None) -> PackedWeight:
         """A GGUF tensor [n, k] of `gguf_type` (a key of GGUF_KINDS), its rows' blocks as the file
-        holds them (`blocks`: n rows of bytes, e.g. a view of the file's memory map), in its format."""
+        holds them (`blocks`: n rows of bytes, e.g. a view of the file's memory map), in its format.
+        Packed PACK_CHUNK_BYTES of the file at a time, after each of which `packed_rows(start, end)`
+        is told which rows are done (so their pages of the file can be let go)."""
         kind = GGUF_KINDS[gguf_type]
         packed_bytes, pack = self._gguf_packers[kind]
         blocks = np.ascontiguousarray(blocks)
         data = _empty(packed_bytes(n, k), arena)
-        pack(blocks.ctypes.data, n, k, data.data_ptr())
+        tiles = -(-n // TILE)
+        step = max(1, PACK_CHUNK_BYTES // (blocks.strides[0] * TILE))
+        for t0 in range(0, tiles, step):
+            t1 = min(tiles, t0 + step)
+            pack(blocks.ctypes.data, n, k, data.data_ptr(), t0, t1, torch.get_num_threads())
+            if packed_rows is not None:
+                packed_rows(t0 * TILE, min(n, t1 * TILE))
         return PackedWeight(self, kind, data, n, k)
 
     def pack_parts(self, parts: list[PackedWeight]) -> PackedWeight:

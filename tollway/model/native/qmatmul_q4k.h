@@ -45,11 +45,11 @@ static void q4_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* Q4_K rows (n rows of k / 256 superblocks) -> q4k (q4k_packed_bytes(n, k) bytes at out). */
-void q4k_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
-    int64_t supers = k / Q4K_SUPER, tiles = (n + TILE - 1) / TILE;
-    memset(out, 0, (size_t)q4k_packed_bytes(n, k));  /* padding rows: zero scales and mins */
-    for (int64_t t = 0; t < tiles; t++) {
+/* Q4_K rows (n rows of k / 256 superblocks) -> tiles t0..t1 of q4k (q4k_packed_bytes(n, k) bytes at out). */
+static void q4k_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1) {
+    int64_t supers = k / Q4K_SUPER;
+    memset(out + t0 * q4k_tile_bytes(k), 0, (size_t)((t1 - t0) * q4k_tile_bytes(k)));  /* padding rows: zero scales and mins */
+    for (int64_t t = t0; t < t1; t++) {
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *super = out + t * q4k_tile_bytes(k) + s * Q4K_SUPER_BYTES;
             uint16_t *d = (uint16_t *)super, *dmin = d + TILE;
@@ -73,6 +73,7 @@ void q4k_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
         }
     }
 }
+GGUF_PACKER(q4k)
 
 static void q4k_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                               int rows, float *out, const char *ahead, int64_t ahead_step) {

@@ -40,15 +40,15 @@ static inline const uint16_t *q6k_head(const uint8_t *tile, int64_t b) {
     return (const uint16_t *)(tile + b / Q6K_BLOCKS * Q6K_SUPER_BYTES);
 }
 
-/* Q6_K rows (n rows of k / 256 superblocks) -> q6k (q6k_packed_bytes(n, k) bytes at out). In the
+/* Q6_K rows (n rows of k / 256 superblocks) -> tiles t0..t1 of q6k (q6k_packed_bytes(n, k) bytes at out). In the
    file, value 128 h + 32 j + l (h < 2, j < 4, l < 32) has its low 4 bits in byte 64 h + 32 (j % 2) + l
    of the nibbles (the high nibble for j >= 2), its high 2 bits at bit 2 j of byte 32 h + l of the
    high bit pairs, and its scale in byte (128 h + 32 j + l) / 16 of the scales (gguf-py's
    dequantize_blocks for Q6_K). */
-void q6k_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
-    int64_t supers = k / Q6K_SUPER, tiles = (n + TILE - 1) / TILE;
-    memset(out, 0, (size_t)q6k_packed_bytes(n, k));  /* padding rows: zero d and scales */
-    for (int64_t t = 0; t < tiles; t++) {
+static void q6k_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1) {
+    int64_t supers = k / Q6K_SUPER;
+    memset(out + t0 * q6k_tile_bytes(k), 0, (size_t)((t1 - t0) * q6k_tile_bytes(k)));  /* padding rows: zero d and scales */
+    for (int64_t t = t0; t < t1; t++) {
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *super = out + t * q6k_tile_bytes(k) + s * Q6K_SUPER_BYTES;
             uint16_t *d = (uint16_t *)super;
@@ -77,6 +77,7 @@ void q6k_pack_gguf(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
         }
     }
 }
+GGUF_PACKER(q6k)
 
 /* ---- the half blocks' sums of activations (the format's activation_sums) ---- */
 
