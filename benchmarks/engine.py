@@ -93,7 +93,7 @@ def weight_bytes(model, kernel: str, rows: int) -> int:
     total = 0
     for lin in model_linears(model):
         if kernel == "q8" and lin.native is not None:
-            total += lin.native.streamed_bytes(rows)  # 4-, 5- or 8-bit weights and their scales, packed
+            total += lin.native.streamed_bytes()  # each GGUF type at its own width, with its scales, packed
             continue
         total += lin.out_features * lin.in_features * per
         if kernel == "int8":

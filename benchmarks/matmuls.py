@@ -34,8 +34,8 @@ QUICK = dict(rows=(1, 64), repeats=3)
 
 def weight_bytes(linears, kernel: str, rows: int) -> int:
     """What a call of `rows` rows through every linear layer reads of the weights."""
-    if kernel == "q8":  # packed, with their scales (4- or 5-bit where the GGUF's blocks are, int8 elsewhere)
-        return sum(lin.packed(kernel).streamed_bytes(rows) for lin in linears)
+    if kernel == "q8":  # packed, with their scales, at each GGUF type's own width (int8 for an HF folder)
+        return sum(lin.packed(kernel).streamed_bytes() for lin in linears)
     per = {"int8": 1, "bf16": 2, "fp32": 4}[kernel]
     return sum(lin.out_features * lin.in_features * per for lin in linears)
 

@@ -269,8 +269,8 @@ class PackedWeight:
         return self.pruning is not None and rows >= PRUNED_ARGMAX_ROWS
 
     def streamed_bytes(self) -> int:
-        """What a call reads of this weight: all of its packing."""
-        return self.data.numel()
+        """What a call reads of this weight: all of its packing (of its parts' packings)."""
+        return sum(p.streamed_bytes() for p in self.parts) if self.parts else self.data.numel()
 
 
 @dataclass
