@@ -15,12 +15,11 @@ from gguf.quants import dequantize
 
 from tollway.model.native.qmatmul import GGUF_KINDS
 
+from gguf_blocks import LAYOUTS, random_blocks as _blocks
 from quantized_rows import quantized_rows
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
 
-# Per type: values and bytes of a block, and where its fp16 scales lie in it (Q4_K: d, then dmin).
-LAYOUTS = {"Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)), "Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
 TYPES = list(GGUF_KINDS)
 
 # (M, K, N): N of one column, of a partial tile and of many tiles (and thread ranges); M of one
@@ -28,23 +27,6 @@ TYPES = list(GGUF_KINDS)
 SHAPES = [(1, 256, 1), (2, 768, 37), (5, 256, 1000), (8, 768, 16), (9, 768, 37), (17, 256, 37), (64, 768, 37)]
 # Q8_0 and Q5_0 take any K of whole blocks of 32.
 SHAPES_32 = [(3, 640, 37), (7, 96, 1000), (1, 32, 5)]
-
-
-def _blocks(gguf_type: str, n: int, k: int, seed: int = 0, zero_row: bool = True) -> np.ndarray:
-    """n rows of random valid blocks of `gguf_type` as a file holds them, [n, row bytes]: random value
-    and scale bytes, fp16 scales between 1e-4 and 3e-2 (Q8_0, Q5_0, Q6_K of either sign; Q4_K's d and
-    dmin positive, as its quantizer makes them), and (zero_row, n > 2) row n // 2 all zero scales."""
-    values, size, scale_at = LAYOUTS[gguf_type]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
-    for at in scale_at:
-        d = 10 ** rng.uniform(-4, -1.5, (n, k // values))
-        if gguf_type != "Q4_K":
-            d *= rng.choice([-1, 1], d.shape)
-        if zero_row and n > 2:
-            d[n // 2] = 0
-        blocks[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-    return blocks.reshape(n, -1)
 
 
 def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
