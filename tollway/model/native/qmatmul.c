@@ -887,6 +887,25 @@ static void signed_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, 
 #define DOT256 _mm256_dpbusd_epi32
 #include "qmatmul_tile256.h"
 
+/* A 512-bit kernel's tile function: `body_` inlined per row count (1..MAX_ROWS), so that its
+   accumulator arrays stay in registers. */
+#define VNNI512_TILE(name, body_)                                                                              \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))                                  \
+    static void name(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,   \
+                     int rows, float *out, const char *ahead, int64_t ahead_step) {                           \
+        switch (rows) {                                                                                       \
+            case 1: body_(tile, nb, xq, xs, xo, 1, out, ahead, ahead_step); break;                            \
+            case 2: body_(tile, nb, xq, xs, xo, 2, out, ahead, ahead_step); break;                            \
+            case 3: body_(tile, nb, xq, xs, xo, 3, out, ahead, ahead_step); break;                            \
+            case 4: body_(tile, nb, xq, xs, xo, 4, out, ahead, ahead_step); break;                            \
+            case 5: body_(tile, nb, xq, xs, xo, 5, out, ahead, ahead_step); break;                            \
+            case 6: body_(tile, nb, xq, xs, xo, 6, out, ahead, ahead_step); break;                            \
+            case 7: body_(tile, nb, xq, xs, xo, 7, out, ahead, ahead_step); break;                            \
+            default: body_(tile, nb, xq, xs, xo, 8, out, ahead, ahead_step); break;                           \
+        }                                                                                                     \
+    }
+_Static_assert(MAX_ROWS == 8, "VNNI512_TILE has a case per row count");
+
 /* AVX512-VNNI: vpdpbusd multiplies u8 weights by s8 activations, 16 output rows per register.
    The activations' 4-byte group is broadcast by the instruction's own memory operand (gcc's
    intrinsic does it in a separate instruction, which competes with vpdpbusd for its ports). */
@@ -958,25 +977,9 @@ static inline __attribute__((always_inline)) void q5_vnni512_rows(const uint8_t 
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static void q5_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                               int rows, float *out, const char *ahead, int64_t ahead_step) {
-    switch (rows) {
-#define ROWS_CASE(R) case R: q5_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
-    }
-}
+VNNI512_TILE(q5_tile_avx512vnni, q5_vnni512_rows)
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static void tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                            int rows, float *out, const char *ahead, int64_t ahead_step) {
-    switch (rows) {  /* a body per row count, so the accumulators stay in registers */
-#define ROWS_CASE(R) case R: vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
-    }
-}
+VNNI512_TILE(tile_avx512vnni, vnni512_rows)
 
 #endif
 

@@ -267,15 +267,7 @@ static inline __attribute__((always_inline)) void q6k_vnni512_rows(const uint8_t
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-static void q6k_tile_avx512vnni(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
-                                int rows, float *out, const char *ahead, int64_t ahead_step) {
-    switch (rows) {
-#define ROWS_CASE(R) case R: q6k_vnni512_rows(tile, nb, xq, xs, xo, R, out, ahead, ahead_step); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-#undef ROWS_CASE
-    }
-}
+VNNI512_TILE(q6k_tile_avx512vnni, q6k_vnni512_rows)
 
 #endif
 
