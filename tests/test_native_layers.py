@@ -151,3 +151,28 @@ def test_the_auto_kv_cache_is_float16_on_the_cpu_but_float32_beside_the_pinned_f
     assert kv_dtype_for(cpu, "auto", {"fp32"}) == torch.float32  # it then matches transformers exactly
     assert kv_dtype_for(torch.device("cuda"), "auto", {"bf16"}) == torch.bfloat16
     assert kv_dtype_for(cpu, "float32", {"q8"}) == torch.float32
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_rotary_tables_grown_mid_run_give_the_bits_of_whole_ones(tiny_hf_models, native_cache, name, monkeypatch):
+    """Tables that start at 8 positions and double as the steps reach further (Rotary.cover) give
+    the tokens and caches of tables made whole at the start, in the fused calls too (their layer
+    descriptors, which point at the tables, are made anew)."""
+    from tollway.model.layers import Rotary
+
+    loaded = load_weights(str(tiny_hf_models[name]))
+    whole = _run(loaded, native_cache, "layers", 2, "float32")
+    monkeypatch.setattr(Rotary, "INITIAL_POSITIONS", 8)
+    assert _same(_run(loaded, native_cache, "layers", 2, "float32"), whole)
+    assert _same(_run(loaded, native_cache, "no", 2, "float32"), whole)
+
+    rotary = Rotary(16, 10000.0, 256, None, torch.device("cpu"))
+    assert len(rotary.cos) == 8
+    rotary.cover(9)
+    assert len(rotary.cos) == 16  # doubled
+    rotary.cover(200)
+    made_whole = Rotary(16, 10000.0, 256, None, torch.device("cpu"))
+    made_whole.cover(256)
+    assert torch.equal(rotary.cos, made_whole.cos[:200]) and torch.equal(rotary.sin, made_whole.sin[:200])
+    with pytest.raises(ValueError, match="past the model's 256 positions"):
+        rotary.cover(257)

@@ -31,6 +31,12 @@ class DecoderModel:
     ops: TorchRowOps  # norms, attention and the rest between the matmuls
     final_logit_softcapping: float | None = None
 
+    def cover_positions(self, positions: int) -> None:
+        """Rotary tables for positions 0..positions-1 in every layer (Rotary.cover): called before a
+        step that reaches them."""
+        for rotary in {id(layer.attn.rotary): layer.attn.rotary for layer in self.layers}.values():
+            rotary.cover(positions)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states of the rows in `keep` (indices, ascending), or of every

@@ -186,19 +186,35 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Rotary:
     """cos/sin tables for rotate-half RoPE, computed in float32 the way transformers does: of one
-    half of a head, [positions, head_dim / 2], for the other half turns by the same angles."""
+    half of a head, [positions, head_dim / 2], for the other half turns by the same angles.
+
+    The tables cover the positions steps have reached (`cover`), doubling as they go up to
+    max_positions: at a 32k context a table is tens of MB that most servers never read."""
+
+    INITIAL_POSITIONS = 4096
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None, device: torch.device):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(positions, inv_freq)
+        self.inv_freq, self.attention_factor = _scale_inv_freq(inv_freq, scaling)
+        self.max_positions, self.device = max_positions, device
         self.half = head_dim // 2
-        sin, cos = freqs.sin(), freqs.cos()
-        if attention_factor != 1.0:
-            sin, cos = sin * attention_factor, cos * attention_factor
-        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.cos = self.sin = torch.empty(0, self.half)
+        self.cover(min(max_positions, self.INITIAL_POSITIONS))
         self._rows = (None, None, None)  # (positions, cos, signed sin) of the step in flight
+
+    def cover(self, positions: int) -> None:
+        """Tables for positions 0..positions-1 at least (ValueError past max_positions). Each value
+        is computed as when the table was made whole: a grown table holds the same bits."""
+        if positions <= len(self.cos):
+            return
+        if positions > self.max_positions:
+            raise ValueError(f"position {positions - 1} is past the model's {self.max_positions} positions")
+        size = min(self.max_positions, max(positions, 2 * len(self.cos)))
+        freqs = torch.outer(torch.arange(size, dtype=torch.int64).float(), self.inv_freq)
+        sin, cos = freqs.sin(), freqs.cos()
+        if self.attention_factor != 1.0:
+            sin, cos = sin * self.attention_factor, cos * self.attention_factor
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_dim]. Every layer of a step passes the same positions tensor:

@@ -67,7 +67,7 @@ class NativeLayers:
         self._argmax = {kind: q8.address(f"{kind}_matmul_argmax") for kind in KINDS}
         self._parallel = q8.address("q8_parallel")
         # (kernel, id of the caches) -> (descriptors or None, the caches: their id stays theirs)
-        self._layers: dict[tuple[str, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
+        self._layers: dict[tuple[str, int, int], tuple[ctypes.Array | None, list[KVCache]]] = {}
         self._ends: dict[str, tuple[_Ends, weakref.ref]] = {}  # kernel -> (the model's ends, the model)
         self._buffer = torch.empty(0)
         self._tokens = np.empty(KEPT_SCRATCH_TOKENS, dtype=np.int64)  # decode-sized steps' greedy tokens
@@ -122,8 +122,11 @@ class NativeLayers:
         layer without native weights, or the step does not carry the block tables."""
         if meta.tables is None:
             return None
-        key = (kernel, id(caches))
+        # the rotary tables' address: a table that grew (Rotary.cover) is described anew
+        key = (kernel, id(caches), layers[0].attn.rotary.cos.data_ptr())
         if key not in self._layers:
+            for stale in [k for k in self._layers if k[:2] == key[:2]]:
+                del self._layers[stale]
             self._layers[key] = (self._describe(layers, caches, kernel), caches)
         described = self._layers[key][0]
         if described is None:

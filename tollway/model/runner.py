@@ -78,6 +78,7 @@ class ModelRunner:
             raise ValueError(f"kernel {plan.kernel!r} was not loaded (loaded: {sorted(self.kernels)})")
         # Decodes first so they form one contiguous, batched group of rows.
         seqs = sorted(plan.seqs, key=lambda s: not s.is_decode)
+        self.model.cover_positions(max(s.context_len for s in seqs))
         input_ids, positions, meta, logit_rows = self._prepare(seqs)
         sampled = [s for s in seqs if s.sample]
         rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
