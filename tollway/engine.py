@@ -12,7 +12,6 @@ from tqdm import tqdm
 
 from tollway.config import EngineConfig, kv_pool_blocks
 from tollway.model.host_memory import available_memory, return_freed_memory
-from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.grammar import Grammars
@@ -50,8 +49,7 @@ def _refuse_what_cannot_fit(loaded: LoadedModel, sched, kv_itemsize: int) -> Non
     need more memory than the machine has available: refused at start, not killed halfway."""
     available = available_memory()
     kv = sched.num_blocks * sched.block_size * loaded.config.kv_bytes_per_token(kv_itemsize)
-    native = set(GGUF_KINDS) if "q8" in sched.kernels_to_load() else set()
-    need = loaded.resident_bytes(native) + kv
+    need = loaded.resident_bytes(packed="q8" in sched.kernels_to_load()) + kv
     if available is not None and need > available:
         raise ValueError(f"{loaded.source}: needs {need / 2**30:.1f} GiB ({kv / 2**30:.1f} of them the KV cache), "
                          f"{available / 2**30:.1f} GiB available")

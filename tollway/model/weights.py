@@ -3,13 +3,13 @@
 A GGUF file is read in place: its quantized tensors stay the file's blocks in its memory map
 (GGUFWeight), which the native kernels pack as they are (Q4_K stays Q4_K) and the embedding reads
 row by row; only the small float tensors (norms) are copied out. So nothing of the weights is
-converted or cached on disk, and the first start is as fast as the next: only the tokenizer, slow
-to convert from the file's vocabulary, is cached (checkpoint.tokenizer_path). An HF folder's
-safetensors load as float32.
+converted or cached on disk: only the tokenizer, slow to convert from the file's vocabulary, is
+(checkpoint.tokenizer_path). An HF folder's safetensors load as float32.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_path
 from tollway.gguf_file import GGUFFile
+from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model_config import ModelConfig
 
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -106,13 +107,18 @@ class LoadedModel:
         (model/reference.py), not for serving."""
         return {name: t.float() for name, t in self.tensors.items()}
 
-    def resident_bytes(self, native_types: set[str]) -> int:
-        """What its weights take once loaded: a GGUF tensor of `native_types` at about its own bytes
-        (the packings' scales take up to 3% more), any other as float32."""
+    def resident_bytes(self, packed: bool) -> int:
+        """About what its weights take once loaded, `packed` for the native kernels or not: a GGUF
+        tensor of a native format its own bytes (its scales up to 3% more), another matrix int8
+        blocks (34 bytes a block of 32), float32 where not packed; the float tensors as they are."""
         total = 0
         for t in self.tensors.values():
-            native = isinstance(t, GGUFWeight) and t.gguf_type.name in native_types
-            total += int(t.nbytes * 1.03) if native else t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) * 4
+            values = math.prod(t.shape)
+            if isinstance(t, GGUFWeight):
+                native = packed and t.gguf_type.name in GGUF_KINDS
+                total += int(t.nbytes * 1.03) if native else values * 34 // 32 if packed else values * 4
+            else:
+                total += values * 4 + (values * 34 // 32 if packed and len(t.shape) == 2 else 0)
         return total
 
     def release_pages(self) -> None:
