@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 
 from tollway.model.native.qmatmul import GGUF_KINDS
 
-from gguf_blocks import LAYOUTS, random_blocks as _blocks
+from gguf_blocks import LAYOUTS, POSITIVE_SCALES, random_blocks as _blocks
 from quantized_rows import quantized_rows
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
@@ -25,7 +25,7 @@ TYPES = list(GGUF_KINDS)
 # (M, K, N): N of one column, of a partial tile and of many tiles (and thread ranges); M of one
 # kernel pass and more (8 rows a pass); K of one superblock and several.
 SHAPES = [(1, 256, 1), (2, 768, 37), (5, 256, 1000), (8, 768, 16), (9, 768, 37), (17, 256, 37), (64, 768, 37)]
-# Q8_0 and Q5_0 take any K of whole blocks of 32.
+# Q8_0, Q5_0 and Q4_0 take any K of whole blocks of 32.
 SHAPES_32 = [(3, 640, 37), (7, 96, 1000), (1, 32, 5)]
 
 
@@ -40,14 +40,14 @@ def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 def _model(gguf_type: str, blocks: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The product in float64, gguf-py's weights @ x as the kernels quantize it (int8 per block of
-    32 times a float32 scale), and the size of its terms: |x| @ each weight's parts. Q4_K's weights,
-    d * sc * q - dmin * m, are two parts apart (d * sc * q + dmin * m: its dmin negated, d and dmin
+    32 times a float32 scale), and the size of its terms: |x| @ each weight's parts. Q4_K's and
+    Q5_K's weights, d * sc * q - dmin * m, are two parts apart (d * sc * q + dmin * m: its dmin negated, d and dmin
     being positive), which the kernels and gguf-py each round in float32."""
     qtype = GGMLQuantizationType[gguf_type]
     m, k = x.shape
     w = dequantize(blocks, qtype).astype(np.float64)
-    if gguf_type == "Q4_K":
-        flipped = blocks.reshape(blocks.shape[0], -1, LAYOUTS["Q4_K"][1]).copy()
+    if gguf_type in POSITIVE_SCALES:
+        flipped = blocks.reshape(blocks.shape[0], -1, LAYOUTS[gguf_type][1]).copy()
         flipped[:, :, 3] ^= 0x80  # dmin's sign bit
         parts = dequantize(flipped.reshape(blocks.shape), qtype).astype(np.float64)
     else:

@@ -4,7 +4,7 @@ self-contained: every value is what GGUF's dequantization gives, in float32 (d *
 formed first where the format has sub-block scales, as gguf-py and ggml do). */
 
 enum gguf_type { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q5_0 = 6, GGUF_Q8_0 = 8, GGUF_Q4_K = 12,
-                 GGUF_Q6_K = 14, GGUF_BF16 = 30 };
+                 GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30 };
 
 static float gguf_half(const uint8_t *p) {
     uint16_t h;
@@ -64,6 +64,22 @@ static int gguf_row(int type, const uint8_t *src, int64_t k, float *out) {
                     float scale = d * (float)sc, min = dmin * (float)m;
                     const uint8_t *nibbles = src + 16 + j / 2 * 32;
                     for (int i = 0; i < 32; i++) out[j * 32 + i] = scale * (float)((nibbles[i] >> (4 * (j % 2))) & 15) - min;
+                }
+            }
+            return 0;
+        case GGUF_Q5_K:  /* d, dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 of nibbles */
+            for (int64_t s = 0; s < k / 256; s++, src += 176, out += 256) {
+                float d = gguf_half(src), dmin = gguf_half(src + 2);
+                const uint8_t *qh = src + 16;
+                for (int j = 0; j < 8; j++) {
+                    uint8_t sc, m;
+                    q4_k_scale_min(src + 4, j, &sc, &m);
+                    float scale = d * (float)sc, min = dmin * (float)m;
+                    const uint8_t *nibbles = src + 48 + j / 2 * 32;
+                    for (int i = 0; i < 32; i++) {
+                        int q = ((nibbles[i] >> (4 * (j % 2))) & 15) | ((qh[i] >> j) & 1) << 4;
+                        out[j * 32 + i] = scale * (float)q - min;
+                    }
                 }
             }
             return 0;

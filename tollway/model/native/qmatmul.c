@@ -31,8 +31,9 @@ order above, then its fifth bits, 64 bytes: bit g of byte j is the fifth bit of 
 A block's isum is dot(q - 16, xq), so every path sums what q8 does (acc = fma((float)isum_b,
 wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits.
 
-The K-quants (Q4_K, Q6_K) have files of their own (qmatmul_q4k.h, qmatmul_q6k.h): the same tiles,
-rows, threads and activations, with their superblocks' scales.
+The K-quants (Q4_K, Q5_K, Q6_K) have files of their own (qmatmul_q4k.h, qmatmul_q5k.h,
+qmatmul_q6k.h): the same tiles, rows, threads and activations, with their superblocks' scales. So
+has q40 (qmatmul_q40.h, a GGUF's Q4_0 in its 4.5 bits): q5's layout without the fifth bits.
 
 An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
 all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
@@ -1064,10 +1065,12 @@ static const format Q8 = {q8_tile_bytes, q8_kernel_for, q8_small_kernel_for, 0},
                     Q5 = {q5_tile_bytes, q5_kernel_for, no_small_kernel, 0},
                     SIGNED = {signed_tile_bytes, signed_kernel_for, no_small_kernel, 1};
 
-/* The GGUF K-quant formats, a file each: the layout, the packing of the file's blocks, the kernels
-   and the format. */
+/* The GGUF K-quant formats and q40 (Q4_0), a file each: the layout, the packing of the file's blocks,
+   the kernels and the format. */
 #include "qmatmul_q4k.h"
+#include "qmatmul_q5k.h"
 #include "qmatmul_q6k.h"
+#include "qmatmul_q40.h"
 #include "gguf_rows.h"
 
 /* ---- the matmul ---- */
@@ -1312,6 +1315,8 @@ MATMUL_ENTRIES(q8, Q8)
 MATMUL_ENTRIES(q5, Q5)
 MATMUL_ENTRIES(q4k, Q4K)
 MATMUL_ENTRIES(q6k, Q6K)
+MATMUL_ENTRIES(q5k, Q5K)
+MATMUL_ENTRIES(q40, Q40)
 /* (each GGUF format's file adds its line here) */
 
 /* A linear whose parts are packed in different formats (a GGUF's q, k and v of two types, fused

@@ -1,8 +1,9 @@
 """The CPU's integer matmuls (qmatmul.c): y = x @ W.T with W packed once into tiles of blocks of 32
 along K, and x quantized to int8 blocks of 32 at every call. The weight formats (KINDS) are a GGUF
 file's own, each at its own width: q8 (Q8_0, and float weights quantized to int8 with an fp16 scale
-per block), q5 (Q5_0), q4k (Q4_K) and q6k (Q6_K). A GGUF tensor of one of GGUF_KINDS' types is
-packed from its blocks as they are (pack_gguf): the same values, laid out for the kernels.
+per block), q5 (Q5_0), q4k (Q4_K), q6k (Q6_K), q5k (Q5_K) and q40 (Q4_0). A GGUF tensor of one of
+GGUF_KINDS' types is packed from its blocks as they are (pack_gguf): the same values, laid out for
+the kernels.
 
 The instruction set is picked at run time from the CPU's flags: AVX512-VNNI, then 256-bit VNNI
 (AVX-VNNI), then AVX2, then portable C. TOLLWAY_ISA, or the `isa` argument, forces a lower one,
@@ -35,9 +36,9 @@ _HEADERS = tuple(sorted(_HERE.glob("*.h")))  # what qmatmul.c includes
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off"]
 ISAS = ("portable", "avx2", "avxvnni", "avx512vnni")  # in the order of qmatmul.c's enum isa
-KINDS = ("q8", "q5", "q4k", "q6k")  # the weight formats
+KINDS = ("q8", "q5", "q4k", "q6k", "q5k", "q40")  # the weight formats
 # The GGUF tensor types packed as they are, and the format each becomes.
-GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k", "Q6_K": "q6k"}
+GGUF_KINDS = {"Q8_0": "q8", "Q5_0": "q5", "Q4_K": "q4k", "Q6_K": "q6k", "Q5_K": "q5k", "Q4_0": "q40"}
 BLOCK = 32  # K values per scale
 TILE = 16  # output rows per tile
 PACK_CHUNK_BYTES = 32 << 20  # of a GGUF tensor's blocks packed at a time (Q8Library.pack_gguf)

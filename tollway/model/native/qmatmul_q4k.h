@@ -102,15 +102,30 @@ static void q4k_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq,
 
 #if defined(__x86_64__)
 
-/* 8 lanes' scale (d * sc) and min (dmin * m) of block b, half h of the tile. */
+/* The K-quants with a min (q4k, q5k) keep a block's 16 sc bytes then its 16 m bytes at `scm`, and
+   their superblock's 16 fp16 d then 16 dmin at `d`. These are the lanes' scale (d * sc) and min
+   (dmin * m): 8 of them, half h of the tile. */
 __attribute__((target("avx2,fma,f16c")))
-static inline void q4k_scales_avx2(const uint8_t *tile, int64_t b, int h, __m256 *scale, __m256 *min) {
-    const uint8_t *w = q4k_block(tile, b);
-    const uint16_t *d = q4k_head(tile, b);
-    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + Q4_NIBBLES + h * 8))));
-    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + Q4_NIBBLES + TILE + h * 8))));
+static inline void kmin_scales_avx2(const uint8_t *scm, const uint16_t *d, int h, __m256 *scale, __m256 *min) {
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scm + h * 8))));
+    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scm + TILE + h * 8))));
     *scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + h * 8))), sc);
     *min = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + TILE + h * 8))), m);
+}
+
+/* Block b's integer sums into the rows' accumulators on AVX512-VNNI, for the K-quants with a min:
+   acc = fma(d * sc * isum - dmin * m * xsum, xscale, acc) (d and dmin as floats, scm as above). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static inline __attribute__((always_inline)) void kmin_add_block512(__m512 *acc, const __m512i *isum, __m512 d,
+                                                                     __m512 dmin, const uint8_t *scm, const float *xs,
+                                                                     const int32_t *xo, int64_t b, const int rows) {
+    __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scm))));
+    __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scm + TILE)))));
+    UNROLLED for (int r = 0; r < rows; r++) {
+        __m512 t = _mm512_sub_ps(_mm512_mul_ps(ws, _mm512_cvtepi32_ps(isum[r])),
+                                 _mm512_mul_ps(wm, _mm512_set1_ps(xsum_of(xo[XS(b, r)]))));
+        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[XS(b, r)]), acc[r]);
+    }
 }
 
 /* q4k on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
@@ -146,7 +161,7 @@ static inline __attribute__((always_inline)) void q4k_avx2_rows(const uint8_t *t
         }
         UNROLLED for (int h = 0; h < 2; h++) {
             __m256 ws, wm;
-            q4k_scales_avx2(tile, b, h, &ws, &wm);
+            kmin_scales_avx2(w + Q4_NIBBLES, q4k_head(tile, b), h, &ws, &wm);
             UNROLLED for (int r = 0; r < n; r++) {
                 __m256i isum = _mm256_madd_epi16(sum16[r][h], ones);
                 __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum)),
@@ -193,14 +208,7 @@ static inline __attribute__((always_inline)) void q4k_vnni512_rows(const uint8_t
                 isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
             }
         }
-        __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + Q4_NIBBLES)))));
-        __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                            _mm_loadu_si128((const __m128i *)(w + Q4_NIBBLES + TILE)))));
-        UNROLLED for (int r = 0; r < rows; r++) {
-            __m512 t = _mm512_sub_ps(_mm512_mul_ps(ws, _mm512_cvtepi32_ps(isum[r])),
-                                     _mm512_mul_ps(wm, _mm512_set1_ps(xsum_of(xo[XS(b, r)]))));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[XS(b, r)]), acc[r]);
-        }
+        kmin_add_block512(acc, isum, d, dmin, w + Q4_NIBBLES, xs, xo, b, rows);
     }
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
