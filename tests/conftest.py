@@ -1,4 +1,4 @@
-"""Shared fixtures. Model fixtures are session-scoped: the default model is converted/loaded once."""
+"""Shared fixtures. Model fixtures are session-scoped: the default model is loaded once."""
 from __future__ import annotations
 
 from pathlib import Path
