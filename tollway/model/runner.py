@@ -40,7 +40,8 @@ class ModelRunner:
         self.block_size = sched.block_size
         max_positions = min(model_config.max_position_embeddings, sched.context_limit())
         int8 = _read_int8(int8_cache) if "int8" in kernels and int8_cache else {}
-        q8 = q8_library(cache_dir) if "q8" in kernels and device.type == "cpu" else None
+        # the native library packs q8 weights, and reads any engine's embedding rows on the CPU
+        q8 = q8_library(cache_dir) if device.type == "cpu" else None
         build = LinearBuilder(tensors, kernels, device, int8, q8)
         self.model: DecoderModel = ARCHITECTURES[model_config.architecture](
             model_config, tensors, build, max_positions, row_ops_for(device, model_config.head_dim, cache_dir), device)

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +70,7 @@ class GGUFWeight:
     shape: tuple[int, int]  # (rows, values per row): the HF weight's shape
     file: GGUFFile | None = None
     row_order: np.ndarray | None = None  # HF row i is the file's row row_order[i]
+    _values: torch.Tensor | None = field(default=None, repr=False, compare=False)  # float(), once made
 
     @property
     def blocks(self) -> np.ndarray:
@@ -77,8 +78,12 @@ class GGUFWeight:
         return self.data if self.row_order is None else self.data[self.row_order]
 
     def float(self) -> torch.Tensor:
-        """Its values in float32, as GGUF dequantizes them: for the torch path and for tests."""
-        return torch.from_numpy(np.require(dequantize(self.blocks, self.gguf_type), np.float32, ["C", "W"]))
+        """Its values in float32, as GGUF dequantizes them, for torch's kernels (fp32, bf16, int8)
+        and references: made once, and shared by every engine built on this load, as a float
+        checkpoint's tensors are. A q8 engine never asks for them."""
+        if self._values is None:
+            self._values = torch.from_numpy(np.require(dequantize(self.blocks, self.gguf_type), np.float32, ["C", "W"]))
+        return self._values
 
     def release_pages(self, start: int = 0, end: int | None = None) -> None:
         """Gives back this process's pages of the file's rows start..end of this tensor (all of
