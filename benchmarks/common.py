@@ -110,6 +110,33 @@ def _default_tokenizer():
     return Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
 
 
+def gguf_summary(path: Path) -> dict:
+    """A GGUF file's size, and its tensors' bytes and counts by GGML type (Q4_K, Q6_K, F32...),
+    biggest first, read with gguf-py's reader."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    by_type: dict[str, dict] = {}
+    for t in reader.tensors:
+        kind = by_type.setdefault(t.tensor_type.name, {"tensors": 0, "bytes": 0})
+        kind["tensors"] += 1
+        kind["bytes"] += int(t.n_bytes)
+    architecture = reader.fields.get("general.architecture")
+    return {"file": Path(path).name, "bytes": Path(path).stat().st_size,
+            "architecture": architecture.contents() if architecture else None,
+            "parameters": sum(int(t.n_elements) for t in reader.tensors),
+            "tensor_bytes": sum(k["bytes"] for k in by_type.values()),
+            "by_type": dict(sorted(by_type.items(), key=lambda item: -item[1]["bytes"]))}
+
+
+def gguf_summary_line(summary: dict) -> str:
+    """'770.3 MiB, 1.00B parameters (gemma3); tensor bytes by type: Q5_0 400.1 MiB in 156 tensors, ...'"""
+    kinds = ", ".join(f"{name} {k['bytes'] / 2**20:.1f} MiB in {k['tensors']} tensors"
+                      for name, k in summary["by_type"].items())
+    return (f"{summary['bytes'] / 2**20:.1f} MiB, {summary['parameters'] / 1e9:.2f}B parameters "
+            f"({summary['architecture']}); tensor bytes by type: {kinds}")
+
+
 def write_readme(readme: Path, name: str, section: str) -> None:
     """Replace the text between <!-- name:begin --> and <!-- name:end --> (appended if absent)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
@@ -135,15 +162,15 @@ def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
 
 
 def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None,
-                  options: dict[str, dict] | None = None, per_cpu_kind: bool = False) -> None:
+                  options: dict[str, dict] | None = None, per_cpu_kind: bool = False, name_suffix=None) -> None:
     """The command line every benchmark shares. run(settings, quick) -> result; then the JSON,
     figures(result, quick) -> [paths relative to benchmarks/] if any, and markdown(result,
     json path, *figure paths) -> the README section (written only for a full run).
     options: {name: argparse keywords} for a benchmark's own flags (--name); each value joins
     the settings under its name. per_cpu_kind: the JSON and the README section are the CPU
-    kind's own (name-avx2 on an AVX2-only machine, name-amx on one with AMX; see cpu_kind_suffix)."""
-    if per_cpu_kind:
-        name += cpu_kind_suffix()
+    kind's own (name-avx2 on an AVX2-only machine, name-amx on one with AMX; see cpu_kind_suffix).
+    name_suffix(settings) -> str: a part of the record's name the options decide ('-<model>' for
+    a run on another model), before the CPU kind's."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development; writes benchmarks/out/ only")
     for option, keywords in (options or {}).items():
@@ -151,6 +178,9 @@ def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, f
     args = parser.parse_args()
     benchmarks = Path(__file__).resolve().parent
     settings = {**(quick if args.quick else full), **{option: getattr(args, option) for option in options or {}}}
+    name += name_suffix(settings) if name_suffix else ""
+    if per_cpu_kind:
+        name += cpu_kind_suffix()
     result = run(settings, args.quick)
     written = [str(save_json(benchmarks, name, result, args.quick))]
     written += figures(result, args.quick) if figures else []

@@ -1,11 +1,25 @@
-"""Side by side with the peer: `tollway serve` and llama.cpp's `llama-server` on the same default
-GGUF (Gemma 3 270M Q4_K_M), one after the other in one run, under the same `tollway bench` loads.
+"""Side by side with the peer: `tollway serve` and llama.cpp's `llama-server` on the same GGUF (the
+default Gemma 3 270M Q4_K_M, or --model), one after the other in one run, under the same
+`tollway bench` loads, with their speed and their memory.
 
     python benchmarks/vs_llamacpp.py          # about 14 min on a 2-core machine (+ a first build)
     python benchmarks/vs_llamacpp.py --quick  # a few minutes, for development; writes benchmarks/out/ only
     python benchmarks/vs_llamacpp.py --threads 1  # both servers on one thread: for a busy machine (see below)
+    python benchmarks/vs_llamacpp.py --model PATH.gguf  # on another GGUF (benchmarks/models.py makes test ones)
 
-The peer is built on the first run: `llama-server` and `llama-batched-bench` from the
+A run with --model writes benchmarks/results/vs_llamacpp-<the file's stem>.json (and the CPU kind's
+suffix, as the default's record has) and a README section of its own, which names the file, its
+size and its tensor bytes by GGML type.
+
+Both servers get the same KV, CONTEXT_TOKENS (32768) tokens in all, and 64 sequences at a time:
+tollway's pool of 2048 blocks of 16 tokens (set in a config file), `llama-server -c 32768 -np 64`
+(its KV split in 64 slots of 512 tokens), and for the loads whose requests outgrow a slot (the
+2048-token prompt) a second llama-server with the same flags and -kvu, one KV the slots share
+(see _llama_server_command for why not -kvu throughout). Memory, from /proc/<pid>/status: the
+resident set once the server answers /health and has been idle IDLE_SECONDS (with its anonymous
+and file-backed parts: llama-server maps the GGUF), and the peak (VmHWM) after each load.
+
+The peer is built on the first run: `llama-server`, `llama-batched-bench` and `llama-quantize` from the
 `vendor/llama.cpp` of the pinned `llama-cpp-python` sdist on PyPI, with CMake and
 `-DGGML_NATIVE=ON`, into the user cache (`<cache>/tollway/llama.cpp/<version>/`); later runs
 reuse it. A build that crashes on the default GGUF on a CPU with AMX is rebuilt without AMX (see
@@ -22,7 +36,7 @@ generate exactly the requested tokens; greedy): 1 stream, 16 and 64 concurrent s
 prompts, 128 new tokens), and the TTFT of a 2048-token prompt. The first wave of each load
 warms the server up and is not measured; the 1- and 64-stream loads run in 3 alternating
 rounds (fresh prompts each), and the median round stands for each. Every figure is a ratio
-tollway / llama-server from this one run, beside both servers' peak resident memory.
+tollway / llama-server from this one run, beside both servers' idle and peak resident memory.
 `llama-batched-bench` adds the peer's engine alone, without HTTP. Writes
 benchmarks/results/vs_llamacpp.json and a section of benchmarks/README.md.
 
@@ -57,7 +71,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from bench_example import free_port  # noqa: E402
-from common import command_line, forced_isa, machine_info, run_benchmark, targets_line  # noqa: E402
+from common import (command_line, forced_isa, gguf_summary, gguf_summary_line, machine_info,  # noqa: E402
+                    run_benchmark, targets_line)
 from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
 from tollway.bench.workload import Lengths, Workload  # noqa: E402
@@ -65,8 +80,17 @@ from tollway.text.tokenizer import Tokenizer  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, cache_root, resolve_model, tokenizer_path  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is the peer; bump to move the peer on
-PEER_TARGETS = ("llama-server", "llama-batched-bench")
+# llama-quantize: benchmarks/models.py quantizes its test models with llama.cpp's own (peer_tool)
+PEER_TARGETS = ("llama-server", "llama-batched-bench", "llama-quantize")
 WARMUP_SECONDS = 0.5  # every request sent this early in a load (its first wave) only warms up
+# Both servers get the same KV and slots: this many tokens of KV in all, and 64 sequences at a time
+# (-np 64; tollway admits up to 128 less fast's reserved seats, so neither caps the 64-stream load).
+# See _llama_server_command for how llama-server lays its KV out for each load.
+CONTEXT_TOKENS = 32768
+SLOTS = 64
+TOLLWAY_BLOCK = 16  # tokens a tollway KV block holds (its default)
+IDLE_SECONDS = 5.0  # after /health first answers, before the idle resident memory is read
+START_LIMIT_SECONDS = 1800  # a first tollway start on a big GGUF converts it and measures its kernels
 
 
 @dataclass
@@ -124,9 +148,14 @@ def peer_binaries() -> dict:
     stamp = folder / "build.json"
     cpu = _cpu_flags()
     built, built_now = json.loads(stamp.read_text()) if stamp.is_file() else None, False
-    if built and (built["cpu_flags"] != cpu or not all((folder / t).is_file() for t in PEER_TARGETS)):
+    if built and built["cpu_flags"] != cpu:
         print("vs_llamacpp: the cached llama.cpp was built for another CPU; rebuilding", file=sys.stderr)
         built = None
+    elif built and (missing := [t for t in PEER_TARGETS if not (folder / t).is_file()]):
+        # a cache from before a target joined PEER_TARGETS: the same build again, with every target
+        print(f"vs_llamacpp: the cached llama.cpp lacks {', '.join(missing)}; rebuilding it", file=sys.stderr)
+        options = built.get("build_options") or ["-DGGML_NATIVE=ON"]
+        built, built_now = built | _build_peer(folder, options), True
     if built is None and forced:
         options = ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in cpu and flag in FORCED_PEER_FLAGS[forced] else 'OFF'}"
                                            for flag, option in GGML_ISA_OPTIONS]
@@ -152,6 +181,14 @@ def peer_binaries() -> dict:
     built |= {"cpu_flags": cpu, "llama_cpp_python": LLAMA_CPP_PYTHON}
     stamp.write_text(json.dumps(built, indent=1) + "\n")
     return built | {"folder": str(folder), "built_now": built_now}
+
+
+def peer_tool(name: str) -> Path:
+    """The path of one of the peer's binaries (PEER_TARGETS: `llama-quantize` for
+    benchmarks/models.py), built first where the cache has none."""
+    if name not in PEER_TARGETS:
+        raise ValueError(f"{name} is not one of the peer's binaries: {', '.join(PEER_TARGETS)}")
+    return Path(peer_binaries()["folder"]) / name
 
 
 def _crash_of(folder: Path) -> str | None:
@@ -241,19 +278,30 @@ def _build_with_progress(command: list[str], log: Path) -> None:
 
 # --- The two servers ------------------------------------------------------------------------
 
-def _llama_server_command(folder: Path, gguf: Path, port: int, loads: list[Load], threads: int) -> list[str]:
-    slots = max(load.concurrency for load in loads)
-    # Each slot holds the longest request: without -kvu a slot's KV is its own (split, as the
-    # server does by default for an explicit -np), so decode streams attend only their own cells.
-    per_slot = max(load.prompt_tokens + load.output_tokens for load in loads) + 256
+def _llama_server_command(folder: Path, gguf: Path, served: str, port: int, threads: int,
+                          unified: bool = False) -> list[str]:
+    """-c CONTEXT_TOKENS -np SLOTS: the KV split into SLOTS equal slots (what an explicit -np does),
+    512 tokens each, where every request of the stream loads fits; or, with `unified`, one buffer
+    the slots share (-kvu, llama-server's default layout with -np auto), where one request may fill
+    it all, as in tollway's paged pool: for the loads whose requests outgrow a slot (the 2048-token
+    prompt). Not unified for every load: with 64 sequences in one buffer, the CPU flash attention's
+    tiled path (64 query rows a tile, all 64 decode rows in one) computes each row against every
+    cell in use, the other sequences' too: llama-batched-bench on the default GGUF, 64 sequences
+    of 128 + 32 tokens, 1 thread, decoded 40-42 tok/s with -kvu and 97-111 without it."""
     return [str(folder / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--alias", DEFAULT_MODEL, "-np", str(slots), "-c", str(slots * per_slot), "-t", str(threads),
-            "-tb", str(threads), "--cont-batching"]
+            "--alias", served, "-np", str(SLOTS), "-c", str(CONTEXT_TOKENS), *(["-kvu"] if unified else []),
+            "-t", str(threads), "-tb", str(threads), "--cont-batching"]
 
 
-def _tollway_command(port: int, data: Path, threads: int) -> list[str]:
-    return [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--threads", str(threads),
-            "--data-dir", str(data), "--keys-db", str(data / "keys.sqlite")]
+def _tollway_command(model: str, served: str, port: int, data: Path, threads: int) -> list[str]:
+    """tollway serve with its defaults, but a KV pool of exactly CONTEXT_TOKENS tokens (its
+    [scheduler] num_blocks, written to a config file: the same count of tokens as llama-server's
+    -c, whatever bytes a token's KV takes in each)."""
+    config = data / "vs_llamacpp.toml"
+    config.write_text(f"[scheduler]\nblock_size = {TOLLWAY_BLOCK}\nnum_blocks = {CONTEXT_TOKENS // TOLLWAY_BLOCK}\n")
+    return [sys.executable, "-m", "tollway", "serve", *([] if model == DEFAULT_MODEL else ["--model", model]),
+            "--served-model-name", served, "--port", str(port), "--threads", str(threads),
+            "--config", str(config), "--data-dir", str(data), "--keys-db", str(data / "keys.sqlite")]
 
 
 @contextmanager
@@ -264,7 +312,7 @@ def serving(name: str, command: list[str], port: int, log: Path):
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 900  # a first tollway start compiles and measures its kernels
+        deadline = time.monotonic() + START_LIMIT_SECONDS
         with tqdm(desc=f"starting {name}", unit="s", bar_format="{desc}: {elapsed}") as bar:
             while True:
                 if server.poll() is not None:
@@ -276,7 +324,8 @@ def serving(name: str, command: list[str], port: int, log: Path):
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"vs_llamacpp: {name} was not healthy after 900 s; its log: {log}")
+                    raise SystemExit(f"vs_llamacpp: {name} was not healthy after {START_LIMIT_SECONDS} s; "
+                                     f"its log: {log}")
                 time.sleep(1.0)
                 bar.update()
         yield server
@@ -290,15 +339,28 @@ def serving(name: str, command: list[str], port: int, log: Path):
 
 
 def resident_memory(pid: int) -> dict:
-    """Peak and current resident set of a process, in MiB (/proc/<pid>/status)."""
+    """Peak and current resident set of a process, in MiB (/proc/<pid>/status), and the current
+    one's parts: anonymous (heap: converted weights, KV, buffers) and file-backed (mapped files,
+    such as a GGUF read in place) pages."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {"peak_mib": int(fields["VmHWM"].split()[0]) / 1024, "now_mib": int(fields["VmRSS"].split()[0]) / 1024}
+
+    def mib(name: str) -> float:
+        return int(fields[name].split()[0]) / 1024 if name in fields else float("nan")
+
+    return {"peak_mib": mib("VmHWM"), "now_mib": mib("VmRSS"), "anon_mib": mib("RssAnon"), "file_mib": mib("RssFile")}
 
 
-def run_loads(name: str, command: list[str], port: int, loads: list[Load], tokenizer, log: Path) -> dict:
+def run_loads(name: str, command: list[str], port: int, served: str, loads: list[Load], tokenizer,
+              log: Path) -> dict:
     """Each load's figures: its median round by output tok/s (by TTFT for a prompt alone), and
-    every round's. Round r of every load that repeats runs before round r + 1 of any."""
+    every round's. Round r of every load that repeats runs before round r + 1 of any. Memory: the
+    resident set once the server is up and idle (IDLE_SECONDS after /health first answers), the
+    peak (VmHWM) after each load's last round, and both at the end."""
     with serving(name, command, port, log) as server:
+        time.sleep(IDLE_SECONDS)
+        idle, peak_after = resident_memory(server.pid), {}
+        print(f"{name}: idle resident memory {idle['now_mib']:.0f} MiB ({idle['anon_mib']:.0f} anonymous, "
+              f"{idle['file_mib']:.0f} file-backed)", file=sys.stderr)
         rounds, load_average = {load.name: [] for load in loads}, {"start": os.getloadavg()[0]}
         for r in range(max(load.rounds for load in loads)):
             for load in (load for load in loads if load.rounds > r):
@@ -308,17 +370,19 @@ def run_loads(name: str, command: list[str], port: int, loads: list[Load], token
                 workload = Workload(Lengths(load.prompt_tokens, 0, load.prompt_tokens, load.prompt_tokens),
                                     Lengths(load.output_tokens, 0, load.output_tokens, load.output_tokens),
                                     ignore_eos=True, seed=load.seed + 1000 * r)
-                config = BenchConfig(f"http://127.0.0.1:{port}", DEFAULT_MODEL, workload,
+                config = BenchConfig(f"http://127.0.0.1:{port}", served, workload,
                                      Limits(max_requests=load.requests, warmup=WARMUP_SECONDS),
                                      [LoadPattern(load.name, concurrency=load.concurrency)], label=name)
                 rounds[load.name].append(_load_figures(run_bench(config, tokenizer, show=True)))
+                peak_after[load.name] = resident_memory(server.pid)["peak_mib"]
         load_average["end"] = os.getloadavg()[0]
         figures = {}
         for load in loads:
             by = (lambda f: f["ttft_p50_s"]) if load.output_tokens == 1 else (lambda f: f["output_tok_s"])
             figures[load.name] = {**sorted(rounds[load.name], key=by)[len(rounds[load.name]) // 2],
                                   "rounds": rounds[load.name]}
-        return {"loads": figures, "memory": resident_memory(server.pid), "load_average": load_average}
+        memory = resident_memory(server.pid) | {"idle": idle, "peak_after_mib": peak_after}
+        return {"loads": figures, "memory": memory, "load_average": load_average}
 
 
 def _load_figures(result: dict) -> dict:
@@ -362,34 +426,71 @@ def _tollway_source() -> dict:
 def run(settings: dict, quick: bool) -> dict:
     machine, source = machine_info(), _tollway_source()  # before the servers start: others may commit meanwhile
     peer = peer_binaries()
-    folder, gguf = Path(peer["folder"]), resolve_model(DEFAULT_MODEL)
+    model = settings.get("model") or DEFAULT_MODEL
+    folder, gguf = Path(peer["folder"]), resolve_model(model)
+    if gguf.is_dir():
+        raise SystemExit(f"vs_llamacpp: --model must be a GGUF file (llama-server reads no other), not {gguf}")
+    served = DEFAULT_MODEL if model == DEFAULT_MODEL else gguf.stem  # the model name both servers answer to
     loads, threads = settings["loads"], settings["threads"]
     if machine["load_average_at_start"] + threads > machine["cores"] + 1:
         print(f"vs_llamacpp: warning: load average {machine['load_average_at_start']:.1f} on {machine['cores']} cores "
               f"before the servers start: with {threads} threads each, llama-server may crawl and the ratios "
               "flatter tollway; a quiet machine (or --threads 1) gives figures that mean something", file=sys.stderr)
-    tokenizer = Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
+    tokenizer = Tokenizer.load(tokenizer_path(model))  # the prompts are this model's tokens
     servers = {}
     with tempfile.TemporaryDirectory(prefix="tollway-vs-llamacpp-") as tmp:
         tmp = Path(tmp)
         port = free_port()
-        servers["tollway"] = run_loads("tollway", _tollway_command(port, tmp, threads), port, loads, tokenizer,
-                                       tmp / "tollway.log")
+        ours = _tollway_command(model if model == DEFAULT_MODEL else str(gguf), served, port, tmp, threads)
+        servers["tollway"] = run_loads("tollway", ours, port, served, loads, tokenizer, tmp / "tollway.log")
+        tollway_command = "tollway " + _shown(ours[3:], gguf).replace(str(tmp), "<tmp>")
+        # llama-server's split slots for the loads whose requests fit one, its unified KV for the rest
+        split = [load for load in loads if load.prompt_tokens + load.output_tokens <= CONTEXT_TOKENS // SLOTS]
+        rest = [load for load in loads if load not in split]
         port = free_port()
-        llama = _llama_server_command(folder, gguf, port, loads, threads)
-        servers["llama-server"] = run_loads("llama-server", llama, port, loads, tokenizer, tmp / "llama-server.log")
+        llama = _llama_server_command(folder, gguf, served, port, threads)
+        servers["llama-server"] = run_loads("llama-server", llama, port, served, split, tokenizer,
+                                            tmp / "llama-server.log")
+        llama_unified = None
+        if rest:
+            port_unified = free_port()
+            llama_unified = _llama_server_command(folder, gguf, served, port_unified, threads, unified=True)
+            servers["llama-server"] = _merged(servers["llama-server"], run_loads(
+                "llama-server -kvu", llama_unified, port_unified, served, rest, tokenizer,
+                tmp / "llama-server-kvu.log"))
     engine_alone = batched_bench(folder, gguf, settings["batched_bench"], threads)
     machine["load_average_at_end"] = os.getloadavg()[0]
-    flags = (" --quick" if quick else "") + (f" --threads {threads}" if threads != os.cpu_count() else "")
+    flags = ((f" --model {settings['model']}" if settings.get("model") else "") + (" --quick" if quick else "")
+             + (f" --threads {threads}" if threads != os.cpu_count() else ""))
     return {"command": command_line("vs_llamacpp.py", flags), "threads": threads,
             "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
             "peer": {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": peer["llama_cpp_commit"],
                      "build": peer["build"], "build_options": peer.get("build_options"), "why": peer.get("why"),
                      "build_seconds": peer["build_seconds"], "built_now": peer["built_now"],
-                     "llama_server_command": " ".join([Path(llama[0]).name, *llama[1:]])
-                     .replace(str(gguf), "<gguf>").replace(f"--port {port}", "--port <port>")},
-            "gguf": gguf.name, "loads": [asdict(load) for load in loads], "servers": servers,
+                     "llama_server_command": _shown(llama, gguf),
+                     "llama_server_unified_command": _shown(llama_unified, gguf) if llama_unified else None,
+                     "unified_loads": [load.name for load in rest]},
+            "tollway_command": tollway_command, "context_tokens": CONTEXT_TOKENS, "slots": SLOTS,
+            "idle_seconds": IDLE_SECONDS, "gguf": gguf.name, "model": gguf_summary(gguf),
+            "loads": [asdict(load) for load in loads], "servers": servers,
             "ratios": ratios(servers, loads), "llama_batched_bench": engine_alone}
+
+
+def _shown(command: list[str], gguf: Path) -> str:
+    """A server's command line as the record shows it: no paths or ports of this run."""
+    shown = " ".join([Path(command[0]).name, *command[1:]]).replace(str(gguf), "<gguf>")
+    return re.sub(r"--port \d+", "--port <port>", shown)
+
+
+def _merged(first: dict, then: dict) -> dict:
+    """One server's figures from two instances run one after the other (llama-server's split and
+    unified KV): the loads of both; the first's idle memory; the higher peak."""
+    memory = first["memory"] | {"peak_mib": max(first["memory"]["peak_mib"], then["memory"]["peak_mib"]),
+                                "peak_after_mib": first["memory"]["peak_after_mib"] | then["memory"]["peak_after_mib"]}
+    return {"loads": first["loads"] | then["loads"], "memory": memory,
+            "load_average": {"start": first["load_average"]["start"], "end": then["load_average"]["end"]},
+            "instances": [{"loads": list(one["loads"]), "memory": one["memory"], "load_average": one["load_average"]}
+                          for one in (first, then)]}
 
 
 def ratios(servers: dict, loads: list[Load]) -> dict:
@@ -400,6 +501,8 @@ def ratios(servers: dict, loads: list[Load]) -> dict:
         keys = ["ttft_p50_s"] if load.output_tokens == 1 else ["output_tok_s", "tok_s_per_user_p50", "ttft_p50_s"]
         out[load.name] = {k: ours[load.name][k] / peer[load.name][k] for k in keys}
     out["peak_memory"] = servers["tollway"]["memory"]["peak_mib"] / servers["llama-server"]["memory"]["peak_mib"]
+    out["idle_memory"] = (servers["tollway"]["memory"]["idle"]["now_mib"]
+                          / servers["llama-server"]["memory"]["idle"]["now_mib"])
     return out
 
 
@@ -437,9 +540,15 @@ def markdown(r: dict, raw: str) -> str:
                          theirs[name]["tok_s_per_user_p50"], q[name]["tok_s_per_user_p50"]))
         rows.append(_row(f"{name}: TTFT ms (p50, lower is better)", ours[name]["ttft_p50_s"] * 1e3,
                          theirs[name]["ttft_p50_s"] * 1e3, q[name]["ttft_p50_s"]))
+    idle = {s: r["servers"][s]["memory"]["idle"] for s in r["servers"]}
+    rows.append(_row(f"resident memory MiB, idle {r['idle_seconds']:.0f} s after start (lower is better)",
+                     idle["tollway"]["now_mib"], idle["llama-server"]["now_mib"], q["idle_memory"]))
+    for part in ("anon", "file"):
+        rows.append(f"| of which {'anonymous' if part == 'anon' else 'file-backed (mapped files)'} | "
+                    f"{idle['tollway'][part + '_mib']:.1f} | {idle['llama-server'][part + '_mib']:.1f} | |")
     memory = {s: r["servers"][s]["memory"]["peak_mib"] for s in r["servers"]}
-    rows.append(_row("peak resident memory MiB (lower is better)", memory["tollway"], memory["llama-server"],
-                     q["peak_memory"]))
+    rows.append(_row("peak resident memory MiB, VmHWM after every load (lower is better)", memory["tollway"],
+                     memory["llama-server"], q["peak_memory"]))
     loads = "; ".join(f"{x['name']}: {x['requests']} measured requests ({x['prompt_tokens']}-token prompts, "
                       f"{x['output_tokens']} new)" + (f" in each of {x['rounds']} rounds, the median round shown"
                                                        if x.get("rounds", 1) > 1 else "") for x in r["loads"])
@@ -456,9 +565,19 @@ def markdown(r: dict, raw: str) -> str:
                else f" (`{' '.join(peer['build_options'])}`)" if peer.get("build_options") else "")
             + f". Load average {m['load_average_at_start']:.1f} at "
             f"start, {m['load_average_at_end']:.1f} at end. Raw: `{raw}`.\n\n"
-            f"Both on `{r['gguf']}`, one after the other, each under the same `tollway bench` loads (greedy, "
-            f"`ignore_eos`; the first wave of each load is warm-up): {loads}. `tollway serve --threads "
-            f"{r['threads']}` with its defaults; `{peer['llama_server_command']}`.{busy_note(r)}\n\n"
+            f"Both on `{r['gguf']}` ({gguf_summary_line(r['model'])}), one after the other, each under the "
+            f"same `tollway bench` loads (greedy, `ignore_eos`; the first wave of each load is warm-up): {loads}. "
+            f"Both with a KV of {r['context_tokens']} tokens in all and {r['slots']} sequences at a time: "
+            f"`{r['tollway_command']}` (its `[scheduler]` num_blocks = "
+            f"{r['context_tokens'] // TOLLWAY_BLOCK} of {TOLLWAY_BLOCK} tokens; otherwise its defaults); "
+            f"`{peer['llama_server_command']}` (its KV split in {r['slots']} slots of "
+            f"{r['context_tokens'] // r['slots']} tokens)" + (
+                f", and for the loads whose requests outgrow a slot ({', '.join(peer['unified_loads'])}) "
+                f"`{peer['llama_server_unified_command']}`, one KV the slots share, started after the first "
+                "(unified for those only: at 64 streams it makes the peer's flash attention compute every "
+                "row against every sequence's cells); its idle memory is the first one's, its peak the higher "
+                "of the two" if peer.get("unified_loads") else "")
+            + f".{busy_note(r)}\n\n"
             "| figure | tollway | llama-server | tollway / llama-server |\n|---|---|---|---|\n"
             + "\n".join(rows) + f"\n\n{token_counts_line(r)} {failures_line(r)}{batch_economics_line(r)}\n\n"
             f"The peer's engine alone (`llama-batched-bench`, no HTTP, {r['llama_batched_bench'][0]['pp']}-token "
@@ -524,5 +643,10 @@ def _row(figure: str, ours: float, theirs: float, ratio: float) -> str:
 
 
 if __name__ == "__main__":
-    run_benchmark("vs_llamacpp", __doc__, run, markdown, FULL, QUICK, options={"threads": dict(
-        type=int, default=os.cpu_count(), help="threads for each server and llama-batched-bench (default: all cores)")}, per_cpu_kind=True)
+    run_benchmark("vs_llamacpp", __doc__, run, markdown, FULL, QUICK, options={
+        "threads": dict(type=int, default=os.cpu_count(),
+                        help="threads for each server and llama-batched-bench (default: all cores)"),
+        "model": dict(default=None, metavar="PATH",
+                      help="a GGUF file to compare on (default: the embedded Gemma 3 270M); the record is "
+                           "results/vs_llamacpp-<its stem>.json and its own README section")},
+        per_cpu_kind=True, name_suffix=lambda settings: f"-{Path(settings['model']).stem}" if settings["model"] else "")
