@@ -48,8 +48,9 @@ class DecoderModel:
                        keep: torch.Tensor | None = None) -> list[int] | None:
         """greedy_tokens(forward(...)) in one native call, where the row ops have one for this
         kernel and the LM head's plain argmax kernel serves these rows; None, with nothing run,
-        where not. At batch 1 the Python between forward's call and the head's took 0.2-0.4 ms
-        of a 10 ms step on the AVX2 EPYC (row_ops.c's decoder_greedy)."""
+        where not. At batch 1 the Python between forward's call and the head's is a few percent of
+        a step, its caches cold after the head's weights (row_ops.c's decoder_greedy; the figures
+        are in benchmarks/README.md)."""
         native = self._argmax_head(kernel)
         if native is None or native.prunes(len(input_ids) if keep is None else len(keep)):
             return None
