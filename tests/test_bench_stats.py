@@ -62,6 +62,17 @@ def test_a_stage_summary_from_known_timings():
     assert s["tiers"]["fast"]["goodput_requests_per_s"] is None  # no SLO given
 
 
+def test_a_request_completed_without_text_has_no_ttft_but_counts():
+    """A model that emits only tokens decoding to nothing completes a request with no first token:
+    the summary used to crash sorting its None TTFT."""
+    silent = RequestRecord(9, "s", "standard", False, 10, 5, 1.0, end=1.5, output_tokens=5)
+    s = summarize(crafted() + [silent], SLO({"*": {"ttft": 1.0}}), usd_per_hour=None)
+    standard = s["tiers"]["standard"]
+    assert standard["completed"] == 3 and standard["ttft"]["p50"] == pytest.approx(1.5)  # the two with text
+    assert standard["e2e"]["p50"] == pytest.approx(3.0)  # 0.5 s (silent), 3.0, 5.0: silent counts here
+    assert standard["goodput_share"] == pytest.approx(1 / 4)  # no TTFT: it met no TTFT limit
+
+
 def test_goodput_counts_requests_within_every_limit_of_their_tier():
     slo = SLO.parse("ttft=2.5s,tpot=250ms,fast:ttft=250ms")
     assert slo.for_tier("fast") == {"ttft": 0.25, "tpot": 0.25} and slo.for_tier("batch") == {"ttft": 2.5, "tpot": 0.25}

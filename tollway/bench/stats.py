@@ -76,8 +76,10 @@ def _seconds(value: str, item: str) -> float:
 
 
 def request_latencies(r: RequestRecord) -> dict[str, float | None]:
-    if not r.ok or r.first_token is None:
+    if not r.ok:
         return {"ttft": None, "tpot": None, "e2e": None}
+    if r.first_token is None:  # completed without text (e.g. only tokens that decode to nothing)
+        return {"ttft": None, "tpot": None, "e2e": r.end - r.sent}
     tpot = (r.end - r.first_token) / (r.output_tokens - 1) if (r.output_tokens or 0) > 1 else None
     return {"ttft": r.first_token - r.sent, "tpot": tpot, "e2e": r.end - r.sent}
 
@@ -143,7 +145,7 @@ def _metrics(records: list[RequestRecord], window: float, slo: SLO, machine_cost
         "requests": len(records), "completed": len(done),
         "errors": dict(Counter(r.error for r in records if r.error)),
         "prompt_tokens": prompt, "output_tokens": output,
-        "ttft": distribution([x["ttft"] for x in latencies]),
+        "ttft": distribution([x["ttft"] for x in latencies if x["ttft"] is not None]),
         "tpot": distribution(tpots),
         "e2e": distribution([x["e2e"] for x in latencies]),
         "itl": distribution(_gaps(done)),
