@@ -5,10 +5,9 @@ glibc serves large allocations with mmap and unmaps them on free, so every step'
 fresh activations (a [64, 262144] logits tensor, gathered KV) would page-fault in again,
 each page cleared by the kernel first.
 
-A decode step reads every packed weight (285 MB for the default model) and its sequences'
-KV: in 4 KiB pages that is some 70,000 TLB misses a step. Linux backs memory advised with
-MADV_HUGEPAGE by 2 MiB pages where it can (the default THP mode is "madvise"), which took
-a sixth off the batch-1 matmuls when it was measured.
+A decode step reads every packed weight and its sequences' KV: in 4 KiB pages that is tens of
+thousands of TLB misses a step. Linux backs memory advised with MADV_HUGEPAGE by 2 MiB pages
+where it can (the default THP mode is "madvise"), which shortens the batch-1 matmuls markedly.
 
 A server faults its KV pool in at start, on a thread of its own (populate_in_background): the
 steps that first write a page otherwise wait for the kernel to find and clear it.
@@ -115,10 +114,9 @@ def populate(tensors: list[torch.Tensor]) -> bool:
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
-    """populate(tensors) on a daemon thread (ctypes lets go of the GIL meanwhile). Measured on this
-    VM, which backs a guest page at its first touch: a fresh huge page took 1.9 ms, 1.1 s for the
-    default model's KV pool, which a fresh server otherwise paid within its first steps (64 streams
-    filling it: 11 ms more a decode step)."""
+    """populate(tensors) on a daemon thread (ctypes lets go of the GIL meanwhile). A VM that backs
+    a guest page at its first touch makes each fresh huge page slow to fault in: a fresh server
+    would otherwise pay for its KV pool within its first steps, as streams fill it."""
     thread = threading.Thread(target=populate, args=(tensors,), name="tollway-populate", daemon=True)
     thread.start()
     return thread
