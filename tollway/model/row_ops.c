@@ -574,8 +574,8 @@ static void attention_part(void *ctx, int part, int parts) {
    every key, after its own softmax of all the scores. Every score and every column's sum is the
    float one thread gets, in the same order, so the tokens never depend on the thread count.
    Where the threads had shared the query vectors instead, each reading every key, a Gemma 3
-   decode's attention took 1.11x the time at context 128-384 (508 against 451 us a step over 18
-   layers, 2 threads, Zen 3) and 1.19x at 128-1928 (1045 against 878 us). */
+   decode's attention took longer, the more so the longer the context: each thread then read all
+   the keys. */
 typedef struct {
     const attention_job *j;
     int64_t stride;      /* the longest token's key count: the buffers' row length */
@@ -860,8 +860,8 @@ int decoder_layers(const layer *layers, int64_t count, const step *all, float *x
    the final norm and the LM head's argmax of the rows the caller reads (s->kept of them with
    s->keep, else all), into argmax. The same operations as the embedding gather, decoder_layers,
    rms_norm and the head's argmax called one by one from Python (decoder.py), so the same tokens:
-   what goes is the Python between them, 0.2-0.4 ms of a 10 ms batch-1 step on the AVX2 EPYC,
-   its caches cold after the 178 MB head. */
+   what goes is the Python between them, a few percent of a batch-1 step, its caches cold after
+   the head's weights. */
 int decoder_greedy(const layer *layers, int64_t count, const ends *e, const step *s, const int64_t *ids, float *x,
                    int64_t *argmax) {
     int64_t hidden = s->hidden, rows = s->keep ? s->kept : s->tokens;
