@@ -65,9 +65,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs the step under inference mode, entered here unless the calling thread is in it
-        already: a loop of steps enters it once (the server's engine thread does), for the guard
-        took 10-140 us of a 10 ms batch-1 step on the AVX2 EPYC, its code cold after the LM head
-        (steps alternating in one process, four runs)."""
+        already: a loop of steps enters it once (the server's engine thread does), for entering
+        the guard every step is a measurable part of a batch-1 step, its code cold after the LM
+        head."""
         if torch.is_inference_mode_enabled():
             return self._execute(plan)
         with torch.inference_mode():
