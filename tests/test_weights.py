@@ -229,8 +229,9 @@ def test_interrupted_tokenizer_conversion_leaves_no_cache(tiny_gguf, tmp_path, m
         raise KeyboardInterrupt
 
     monkeypatch.setattr(checkpoint, "save_gguf_tokenizer", fail)
+    loaded = load_weights(tiny_gguf, cache_dir=tmp_path)  # converts when first asked for its tokenizer
     with pytest.raises(KeyboardInterrupt):
-        load_weights(tiny_gguf, cache_dir=tmp_path)
+        loaded.tokenizer_path
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     assert (load_weights(tiny_gguf, cache_dir=tmp_path).tokenizer_path / "tokenizer.json").is_file()

@@ -70,10 +70,11 @@ def model_config(model: str | os.PathLike | None, cache_dir: str | os.PathLike |
     return ModelConfig.from_gguf(GGUFFile(source))
 
 
-def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path | None:
+def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
+                   reader: GGUFFile | None = None) -> Path | None:
     """The folder Tokenizer.load reads for `model`, without loading its weights; None when the
     checkpoint has no tokenizer. A GGUF's is converted from the file's vocabulary once (seconds,
-    for a 262k vocabulary) and kept in the cache."""
+    for a 262k vocabulary) and kept in the cache; `reader`: the file already parsed, if it is."""
     source = resolve_model(model)
     if source.is_dir():
         return source if (source / "tokenizer.json").is_file() else None
@@ -84,7 +85,7 @@ def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike
     alone.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alone.name}.tmp-", dir=alone.parent))
     try:
-        if not save_gguf_tokenizer(source, GGUFFile(source), tmp):
+        if not save_gguf_tokenizer(source, reader or GGUFFile(source), tmp):
             return None
         try:
             os.replace(tmp, alone)

@@ -17,6 +17,7 @@ from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from tollway.model.grammar import Grammars
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
+from tollway.model.native.early_builds import start_native_builds
 from tollway.model.step_profile import profile_key, profile_step_times, samples_from_json, samples_to_json
 from tollway.checkpoint import cache_root, derived_cache_file
 from tollway.model.weights import LoadedModel, load_weights
@@ -44,6 +45,11 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _load_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer | None:
+    folder = loaded.tokenizer_path
+    return Tokenizer.load(folder, chat_template) if folder else None
+
+
 def _refuse_what_cannot_fit(loaded: LoadedModel, sched, kv_itemsize: int) -> None:
     """ValueError, before any weight is packed or KV page taken, where the weights and the KV pool
     need more memory than the machine has available: refused at start, not killed halfway."""
@@ -65,6 +71,8 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if self.device.type == "cpu":
+            start_native_builds(config.cache_dir)  # compiled beside the load, on a machine's first start
         with tqdm(total=4, desc="loading model", unit="stage", disable=not progress, leave=False) as bar:
             loaded = loaded or load_weights(config.model, cache_dir=config.cache_dir)
             bar.update()
@@ -82,8 +90,8 @@ class Engine:
                 _refuse_what_cannot_fit(loaded, sched, kv_dtype_for(self.device, config.kv_cache_dtype,
                                                                    sched.kernels_to_load()).itemsize)
             with ThreadPoolExecutor(1) as pool:
-                # Parsing the tokenizer (2-3 s for Gemma's 262k vocabulary) overlaps with building the runner.
-                tokenizer = pool.submit(Tokenizer.load, loaded.tokenizer_path, config.chat_template) if loaded.tokenizer_path else None
+                # Converting (a GGUF's first load) and parsing the tokenizer overlap with building the runner.
+                tokenizer = pool.submit(_load_tokenizer, loaded, config.chat_template)
                 self.runner = ModelRunner(
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),
@@ -95,7 +103,7 @@ class Engine:
                     sched.int8_max_tokens = cached_int8_crossover(
                         self.runner.model, sched.dense_kernel, cache_root(config.cache_dir) / "kernel-profile.json",
                         key=str(loaded.source))
-                self.tokenizer = tokenizer.result() if tokenizer else None
+                self.tokenizer = tokenizer.result()
                 if self.tokenizer is not None:
                     self.runner.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
             bar.update()

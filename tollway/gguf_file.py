@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _ARRAY, _STRING = 9, 8
+_U64 = struct.Struct("<Q")
 # value type -> (struct format, numpy dtype) for the fixed-size types
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
             4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
@@ -142,4 +143,21 @@ class GGUFFile:
             values = np.frombuffer(self._buf, dtype=dtype, count=n, offset=self._at).tolist()
             self._at = end
             return values
+        if item == _STRING:
+            return self._strings(n)
         return [self._value(item) for _ in range(n)]
+
+    def _strings(self, n: int) -> list[str]:
+        # One loop with nothing called per string but the unpack and the decode: a vocabulary
+        # is most of the metadata, and _string's calls per item took most of a start.
+        buf, at, size, out = self._mmap, self._at, len(self._buf), []
+        length = _U64.unpack_from
+        for _ in range(n):
+            (k,) = length(buf, at)
+            at += 8
+            if at + k > size:
+                raise ValueError(f"{self.path} is cut short inside its metadata")
+            out.append(buf[at:at + k].decode("utf-8"))
+            at += k
+        self._at = at
+        return out

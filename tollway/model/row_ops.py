@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
-from tollway.model.native.build import compiled_library, native_flags
+from tollway.model.native.build import native_flags, start_build
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
 from tollway.checkpoint import cache_root
@@ -163,4 +164,9 @@ def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLik
 def row_ops_library(folder: Path, forced_isa: str | None = None) -> Path | None:
     """row_ops.c built for this machine, or for the CPU kind a forced instruction set stands for
     (see native/build.py); None without a working compiler."""
-    return compiled_library(_SOURCE, folder, native_flags(forced_isa), _HEADERS, fallback="torch for the row-wise ops")
+    return row_ops_build(folder, forced_isa).result()
+
+
+def row_ops_build(folder: Path, forced_isa: str | None = None) -> Future:
+    """The build of row_ops.c (build.start_build): the path of the library to come, or None."""
+    return start_build(_SOURCE, folder, native_flags(forced_isa), _HEADERS, fallback="torch for the row-wise ops")

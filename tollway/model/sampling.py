@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
-from tollway.model.native.build import compiled_library, native_flags
+from tollway.model.native.build import native_flags, start_build
 from tollway.model.native.qmatmul import q8_library
 from tollway.checkpoint import cache_root
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
@@ -53,9 +54,14 @@ def native_draw(cache_dir: str | os.PathLike | None = None) -> NativeDraw | None
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
     q8 = q8_library(cache_dir)
-    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", native_flags(q8.forced if q8 else None), _HEADERS,
-                           fallback="torch for sampling")
+    lib = sampling_build(cache_dir, q8.forced if q8 else None).result()
     return NativeDraw(ctypes.CDLL(str(lib)), q8.address("q8_parallel")) if lib and q8 else None
+
+
+def sampling_build(cache_dir: str | os.PathLike | None, forced_isa: str | None) -> Future:
+    """The build of sampling.c (build.start_build): the path of the library to come, or None."""
+    return start_build(_SOURCE, cache_root(cache_dir) / "native", native_flags(forced_isa), _HEADERS,
+                       fallback="torch for sampling")
 
 
 def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator,

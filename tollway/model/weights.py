@@ -8,12 +8,14 @@ converted or cached on disk: only the tokenizer, slow to convert from the file's
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -102,10 +104,16 @@ class LoadedModel:
     # HF names (see expected_tensor_shapes) -> float32 tensors (norms; every tensor of an HF folder),
     # or GGUFWeight for a GGUF file's quantized ones
     tensors: dict[str, torch.Tensor | GGUFWeight]
-    tokenizer_path: Path | None  # folder for Tokenizer.load; None when the checkpoint has no tokenizer
+    # The folder for Tokenizer.load (None when the checkpoint has no tokenizer), found when first
+    # asked for: a GGUF's first load converts it, which an engine does beside building its runner.
+    tokenizer_folder: Callable[[], Path | None]
     source: Path  # the .gguf file or HF folder the weights came from
     load_seconds: float
     gguf: GGUFFile | None = None  # the file the GGUFWeights lie in
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.tokenizer_folder()
 
     def float_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor in float32, the quantized ones dequantized: for a reference implementation
@@ -141,12 +149,13 @@ def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.Pat
     source = resolve_model(model)
     if source.is_dir():
         config, tensors, tokenizer = _load_hf_folder(source)
-        return LoadedModel(config, tensors, tokenizer, source, time.perf_counter() - start)
+        return LoadedModel(config, tensors, lambda: tokenizer, source, time.perf_counter() - start)
     reader = GGUFFile(source)
     config = ModelConfig.from_gguf(reader)
     tensors = _gguf_tensors(reader, config)
     _check_tensors(tensors, config, source)
-    return LoadedModel(config, tensors, tokenizer_path(source, cache_dir), source, time.perf_counter() - start, reader)
+    return LoadedModel(config, tensors, functools.cache(functools.partial(tokenizer_path, source, cache_dir, reader)),
+                       source, time.perf_counter() - start, reader)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

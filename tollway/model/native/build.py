@@ -1,6 +1,10 @@
 """Compiling the native kernels: a C source built with the system compiler at first use and
 cached under the user cache dir, keyed by everything that can change the binary. None, with one
-warning line, when there is no working compiler: callers then run on torch."""
+warning line, when there is no working compiler: callers then run on torch.
+
+Builds run on a small thread pool: a load starts every source's build at once (start_build),
+so that the compiles run beside each other and beside reading the model, and a caller that
+needs the library joins the build under way rather than starting a second one."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +15,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 _log = logging.getLogger(__name__)
@@ -18,6 +24,9 @@ _log = logging.getLogger(__name__)
 # The CPU that each instruction set qmatmul.c can be forced down to (TOLLWAY_ISA) stands for.
 # x86-64-v3 is AVX2, FMA, F16C and BMI2: the AVX2 kernels' own.
 _FORCED_MARCH = {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
+_BUILDERS = ThreadPoolExecutor(max_workers=3, thread_name_prefix="tollway-cc")  # one per source
+_building: dict[tuple, Future] = {}  # the builds under way, by what they build
+_building_lock = threading.RLock()  # a done future runs its callback at once, under the lock
 
 
 def native_flags(forced_isa: str | None = None) -> list[str]:
@@ -34,7 +43,31 @@ def compiled_library(source: Path, folder: Path, flags: list[str], headers: tupl
                      fallback: str = "torch") -> Path | None:
     """`source` (including `headers`) built with `flags` for this machine, reusing a build of
     the same sources, flags, compiler and CPU; `fallback` says what runs instead in the warning."""
+    return start_build(source, folder, flags, headers, fallback).result()
+
+
+def start_build(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
+                fallback: str = "torch") -> Future:
+    """compiled_library's answer, to come: the build starts now in the background, or is the
+    one of the same library already under way."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    key = (cc, source, folder, tuple(flags), tuple(headers))
+    with _building_lock:
+        future = _building.get(key)
+        if future is None:
+            future = _building[key] = _BUILDERS.submit(_build, cc, source, folder, flags, headers, fallback)
+            future.add_done_callback(lambda _: _forget(key))
+        return future
+
+
+def _forget(key: tuple) -> None:
+    # Only builds under way are shared: a later call checks the cache again (it may have been deleted).
+    with _building_lock:
+        _building.pop(key, None)
+
+
+def _build(cc: str | None, source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...],
+           fallback: str) -> Path | None:
     name = source.stem
     if not cc:
         _warn_no_compiler()

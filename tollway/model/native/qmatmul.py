@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tollway.model.host_memory import HugePageArena
-from tollway.model.native.build import compiled_library
+from tollway.model.native.build import start_build
 from tollway.checkpoint import cache_root
 
 _log = logging.getLogger(__name__)
@@ -303,6 +304,10 @@ def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
     compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 kernel then runs on torch."""
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return None
-    lib = compiled_library(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS,
-                           fallback="torch fp32 for the q8 kernel")
+    lib = q8_build(cache_dir).result()
     return Q8Library(ctypes.CDLL(str(lib))) if lib else None
+
+
+def q8_build(cache_dir: str | os.PathLike | None = None) -> Future:
+    """The build of qmatmul.c (build.start_build): the path of the library to come, or None."""
+    return start_build(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS, fallback="torch fp32 for the q8 kernel")
