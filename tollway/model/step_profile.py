@@ -13,21 +13,25 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from tollway.config import SchedulerConfig
+from tollway.model.host_memory import populate
 from tollway.request import SamplingParams
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import StepShape
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+DISTINCT_SEQS = 32  # sequences with blocks of their own in a profile step
 
 
 def block_tables(sched: SchedulerConfig, context: int) -> Callable[[int], tuple[int, ...]]:
-    """table(i): the i-th sequence's own blocks for `context` tokens (wrapping round the pool
-    only past its size). Sequences sharing one table would find each other's keys in cache, and
-    attention would time faster than in real traffic."""
+    """table(i): the i-th sequence's own blocks for `context` tokens, for the first
+    DISTINCT_SEQS sequences (wrapping round the pool only past its size). Sequences sharing one
+    table would find each other's keys in cache, and attention would time faster than in real
+    traffic; past DISTINCT_SEQS, the KV a step reads is many times the CPU's caches anyway, and
+    fresh tables would only fault in the pool's pages in the timed steps (slowly, in a VM)."""
     per_seq = -(-(context + 1) // sched.block_size)
 
     def table(i: int) -> tuple[int, ...]:
-        start = (i * per_seq) % max(1, sched.num_blocks - per_seq + 1)
+        start = (i % DISTINCT_SEQS * per_seq) % max(1, sched.num_blocks - per_seq + 1)
         return tuple(range(start, start + per_seq))
     return table
 
@@ -45,25 +49,25 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
     def prefill(start: int, n: int) -> ScheduledSeq:
         return ScheduledSeq("profile", "standard", (1,) * n, start, table, True, _GREEDY)
 
-    plans = []
+    # A start's first profile is part of the wait for it: each shape once, as few as pin the
+    # step model's five features per kernel (every real step refines them after).
     # Writing the context first: the decodes below then read KV that was really computed.
-    for start in range(0, context, budget):
-        plans.append(plan([prefill(start, min(budget, context - start))]))
-    for n in sorted({16, 128, budget}):
-        for start in (0, context // 2):
-            if n <= budget and start + n <= context:
-                plans.append(plan([prefill(start, n)]))
-    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 48, 64, 128, 256) if b <= min(sched.max_num_seqs, budget)}
-                   | {min(sched.max_num_seqs, budget)})
-    for c in (context // 4, context):
-        for b in sizes:
+    chunks = [(start, min(budget, context - start)) for start in range(0, context, budget)]
+    # A short chunk at the start and a longer one after it: chunk tokens and attention apart.
+    chunks += [c for c in ((0, 16), (context // 2, 128)) if c[1] <= budget and sum(c) <= context and c not in chunks]
+    plans = [plan([prefill(start, n)]) for start, n in chunks]
+    most = min(sched.max_num_seqs, budget)
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= most} | {most})
+    # The long context at every size; the short one, which tells attention from the rest, at three.
+    for c, batch_sizes in ((context // 4, sorted({1, min(8, most), most})), (context, sizes)):
+        for b in batch_sizes:
             plans.append(plan([ScheduledSeq(f"p{i}", "standard", (1,), c, tables(i), True, _GREEDY) for i in range(b)]))
     return plans
 
 
 def profile_key(sched: SchedulerConfig) -> str:
     """What the profile plans depend on."""
-    return (f"steps-v3|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
+    return (f"steps-v4|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
             f"{sched.max_num_seqs}|{sched.max_num_batched_tokens}|{_context(sched)}")
 
 
@@ -74,6 +78,11 @@ def _context(sched: SchedulerConfig) -> int:
 def profile_step_times(runner, sched: SchedulerConfig, repeats: int = 1,
                        progress: bool = True) -> list[tuple[StepShape, float]]:
     """(shape, median seconds) for each profile plan, timed on `runner`."""
+    if runner.device.type == "cpu":
+        # The pool's pages the profile writes, faulted in before it times anything: a VM backs a
+        # fresh page slowly at its first touch, and the steps that met them first would carry it.
+        slots = min(DISTINCT_SEQS * -(-(_context(sched) + 1) // sched.block_size), sched.num_blocks) * sched.block_size
+        populate([t[:slots] for cache in runner.caches for t in (cache.k, cache.v)])
     samples = []
     for plan in tqdm(profile_plans(sched), desc="profiling steps", unit="step", disable=not progress, leave=False):
         seconds = statistics.median(runner.execute(plan).seconds for _ in range(repeats))
