@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 
 import gguf
@@ -15,6 +14,7 @@ from safetensors.torch import load_file
 from tollway.gguf_file import GGUFFile
 from tollway import checkpoint
 from tollway.model_config import ModelConfig, UnsupportedModelError
+from tollway.text.tokenizer import Tokenizer
 from tollway.checkpoint import ModelNotFoundError
 from tollway.model.weights import GGUFWeight, expected_tensor_shapes, load_weights
 
@@ -237,14 +237,24 @@ def test_interrupted_tokenizer_conversion_leaves_no_cache(tiny_gguf, tmp_path, m
     assert (load_weights(tiny_gguf, cache_dir=tmp_path).tokenizer_path / "tokenizer.json").is_file()
 
 
-def test_changed_source_file_gets_a_new_cache_entry(tiny_gguf, tmp_path):
-    copy = tmp_path / "model.gguf"
-    copy.write_bytes(tiny_gguf.read_bytes())
+def test_the_tokenizer_is_cached_by_its_own_bytes_in_the_file(tiny_gguf, tmp_path):
     cache = tmp_path / "cache"
-    first = load_weights(copy, cache_dir=cache).tokenizer_path
-    stat = copy.stat()
-    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert load_weights(copy, cache_dir=cache).tokenizer_path != first
+    first = load_weights(tiny_gguf, cache_dir=cache).tokenizer_path
+    # Another file with the same tokenizer (another size of one family) shares its conversion.
+    copy = tmp_path / "other-size.gguf"
+    copy.write_bytes(tiny_gguf.read_bytes())
+    assert load_weights(copy, cache_dir=cache).tokenizer_path == first
+    # The longest token respelled in as many bytes: a new conversion, which has the new token.
+    tokens = GGUFFile(tiny_gguf).metadata["tokenizer.ggml.tokens"]
+    token = max(tokens, key=len).encode()
+    respelled = "Q" * len(token)
+    copy.write_bytes(tiny_gguf.read_bytes().replace(len(token).to_bytes(8, "little") + token,
+                                                    len(token).to_bytes(8, "little") + respelled.encode()))
+    changed = load_weights(copy, cache_dir=cache).tokenizer_path
+    assert changed != first and sorted(p.name for p in cache.iterdir()) == sorted([first.name, changed.name])
+    for folder, has in ((first, False), (changed, True)):
+        tokenizer = Tokenizer.load(folder)
+        assert any(respelled in tokenizer.decode([i]) for i in range(len(tokens))) == has
 
 
 def _write_gguf(path, arch: str, rope_freqs: np.ndarray | None = None) -> None:

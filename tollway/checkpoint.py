@@ -15,7 +15,7 @@ import platformdirs
 
 from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
-from tollway.text.tokenizer import save_gguf_tokenizer
+from tollway.text.tokenizer import has_gguf_tokenizer, save_gguf_tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
 # Bump when what is cached from a file changes, so stale caches are rebuilt, not misread.
@@ -78,15 +78,20 @@ def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike
     source = resolve_model(model)
     if source.is_dir():
         return source if (source / "tokenizer.json").is_file() else None
-    folder = cache_folder(source, cache_root(cache_dir))
-    alone = folder.with_name(f"{folder.name}-tokenizer")
+    reader = reader or GGUFFile(source)
+    if not has_gguf_tokenizer(reader):
+        return None
+    # Keyed by the tokenizer's own bytes in the file, not by the file: the sizes of one model
+    # family share them (Gemma 3's, from 270M to 27B), and one conversion serves them all.
+    keys = sorted(k for k in reader.metadata if k.startswith("tokenizer.")) + ["general.architecture"]
+    digest = hashlib.sha256(f"{CACHE_FORMAT}\0{reader.digest(keys)}".encode()).hexdigest()[:16]
+    alone = cache_root(cache_dir) / f"{reader.metadata['general.architecture']}-tokenizer-{digest}"
     if (alone / "tokenizer.json").is_file():
         return alone
     alone.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alone.name}.tmp-", dir=alone.parent))
     try:
-        if not save_gguf_tokenizer(source, reader or GGUFFile(source), tmp):
-            return None
+        save_gguf_tokenizer(reader, tmp)
         try:
             os.replace(tmp, alone)
         except OSError:  # a concurrent call put it there first

@@ -14,6 +14,7 @@ general.alignment (32 unless given). A string is a u64 length and its UTF-8 byte
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -74,9 +75,12 @@ class GGUFFile:
                              "big-endian file reads as a huge version)")
         n_tensors, n_values = self._unpack("<Q"), self._unpack("<Q")
         metadata = {}
+        self._value_bytes: dict[str, tuple[int, int]] = {}  # key -> where its type and value lie
         for _ in range(n_values):
             key = self._string()
+            start = self._at
             metadata[key] = self._value(self._unpack("<I"))
+            self._value_bytes[key] = (start, self._at)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -101,6 +105,16 @@ class GGUFFile:
         if at + nbytes > len(self._map):
             raise ValueError(f"{self.path} is cut short: tensor {name} ends past the end of the file")
         return GGUFTensor(name, kind, dims, self._map[at:at + nbytes].view(dtype).reshape(shape))
+
+    def digest(self, keys: list[str]) -> str:
+        """A hash of these metadata values as the file stores them (keys it lacks count as
+        absent): what a cache of something derived from them alone can be keyed by."""
+        h = hashlib.sha256()
+        for key in keys:
+            start, end = self._value_bytes.get(key, (0, 0))
+            h.update(b"%d:%s:%d\0" % (len(key), key.encode(), end - start))
+            h.update(self._buf[start:end])
+        return h.hexdigest()
 
     def release_pages(self, part: np.ndarray | None = None) -> None:
         """Drops this process's pages of the file, or of `part` of it (a tensor's data): they stay

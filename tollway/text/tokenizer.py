@@ -157,11 +157,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
-def save_gguf_tokenizer(gguf_path: Path, reader: GGUFFile, folder: Path) -> bool:
+def has_gguf_tokenizer(reader: GGUFFile) -> bool:
+    return "tokenizer.ggml.tokens" in reader.metadata
+
+
+def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and generation_config.json for the tokenizer in a
-    GGUF file's metadata into `folder`. Returns False when the file has no tokenizer. Slow (seconds)."""
-    if "tokenizer.ggml.tokens" not in reader.metadata:
-        return False
+    GGUF file's metadata (has_gguf_tokenizer) into `folder`. Slow (seconds)."""
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
     architecture, spec, config = _gguf_tokenizer_spec(reader)
@@ -180,7 +182,6 @@ def save_gguf_tokenizer(gguf_path: Path, reader: GGUFFile, folder: Path) -> bool
                ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
                if key in reader.metadata]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
-    return True
 
 
 _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
