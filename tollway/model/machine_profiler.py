@@ -55,7 +55,7 @@ def grid_plans(sched, kernels: list[str], grid: Grid) -> list[StepPlan]:
 def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineProfile:
     grid = grid or Grid()
     sched, runner = engine.scheduler.config, engine.runner
-    warm = profile_plans(sched)  # writes the context the grid's decodes read
+    warm = profile_plans(sched)
     plans = warm + grid_plans(sched, sorted(runner.kernels), grid)
     timed = [_timed(runner, plan, grid.repeats)
              for plan in tqdm(plans, desc="profiling the runner", unit="step", disable=not progress, leave=False)]

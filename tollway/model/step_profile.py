@@ -50,12 +50,13 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
         return ScheduledSeq("profile", "standard", (1,) * n, start, table, True, _GREEDY)
 
     # A start's first profile is part of the wait for it: each shape once, as few as pin the
-    # step model's five features per kernel (every real step refines them after).
-    # Writing the context first: the decodes below then read KV that was really computed.
-    chunks = [(start, min(budget, context - start)) for start in range(0, context, budget)]
+    # step model's five features per kernel (every real step refines them after). A chunk's time
+    # is linear in its tokens and attention, so the budget's whole chunk, the longest step here,
+    # is timed only where it runs a kernel that no smaller chunk does; else half the context.
+    big = budget if sched.kernel_for(budget) != sched.kernel_for(min(128, budget)) else min(budget, context // 2)
     # A short chunk at the start and a longer one after it: chunk tokens and attention apart.
-    chunks += [c for c in ((0, 16), (context // 2, 128)) if c[1] <= budget and sum(c) <= context and c not in chunks]
-    plans = [plan([prefill(start, n)]) for start, n in chunks]
+    chunks = [(0, big)] + [c for c in ((0, 16), (context // 2, 128)) if c[1] <= budget and sum(c) <= context]
+    plans = [plan([prefill(start, n)]) for start, n in dict.fromkeys(chunks)]
     most = min(sched.max_num_seqs, budget)
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= most} | {most})
     # The long context at every size; the short one, which tells attention from the rest, at three.
