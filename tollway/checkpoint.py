@@ -15,7 +15,7 @@ import platformdirs
 
 from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
-from tollway.text.tokenizer import has_gguf_tokenizer, save_gguf_tokenizer
+from tollway.text.gguf_tokenizer import has_gguf_tokenizer, save_gguf_tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
 # Bump when what is cached from a file changes, so stale caches are rebuilt, not misread.

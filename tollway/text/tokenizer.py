@@ -1,22 +1,17 @@
 """Tokenizer: text <-> token ids, chat templates and streaming detokenization.
 
-At run time only the `tokenizers` library is used (a tokenizer.json loads in about two seconds).
-A GGUF file carries its tokenizer as metadata; `save_gguf_tokenizer` turns that into tokenizer
-files once, when the weights are converted, because transformers' converter is slow.
+At run time only the `tokenizers` library is used. A GGUF file carries its tokenizer as
+metadata, which gguf_tokenizer.py turns into tokenizer files once (checkpoint.tokenizer_path).
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers.processors import TemplateProcessing
-
-if TYPE_CHECKING:
-    from tollway.gguf_file import GGUFFile
 
 _REPLACEMENT = "\ufffd"
 # Gemma's turn markers; a vocabulary that has them gets Gemma's chat format when it has no template.
@@ -155,55 +150,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-
-
-def has_gguf_tokenizer(reader: GGUFFile) -> bool:
-    return "tokenizer.ggml.tokens" in reader.metadata
-
-
-def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json for the tokenizer in a
-    GGUF file's metadata (has_gguf_tokenizer) into `folder`. Slow (seconds)."""
-    from transformers.integrations.gguf import convert_gguf_tokenizer
-
-    architecture, spec, config = _gguf_tokenizer_spec(reader)
-    backend, _ = convert_gguf_tokenizer(architecture, spec)
-    bos, eos = config.get("bos_token"), config.get("eos_token")
-    # The converter leaves BOS/EOS insertion to the transformers class around it; put it in tokenizer.json.
-    template = ([bos] if config.get("add_bos_token") and bos else []) + ["$A"] + ([eos] if config.get("add_eos_token") and eos else [])
-    backend.post_processor = TemplateProcessing(
-        single=" ".join(template),
-        special_tokens=[(t, backend.token_to_id(t)) for t in template if t != "$A"],
-    )
-    backend.save(str(folder / "tokenizer.json"))
-    tokenizer_config = {k: config.get(k) for k in ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template")}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    eos_ids = [reader.metadata[key] for key in
-               ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-               if key in reader.metadata]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
-
-
-_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                      "pad_token": "padding_token_id"}
-
-
-def _gguf_tokenizer_spec(reader: GGUFFile) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """(architecture, tokenizer fields, tokenizer config) as transformers' get_gguf_tokenizer gives
-    them, read with tollway's GGUF reader: transformers' own loads torch."""
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
-
-    fields = reader.metadata
-    grouped = {group: {name: fields[f"tokenizer.{key}"] for key, name in renames.items()
-                       if f"tokenizer.{key}" in fields}
-               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
-    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
-    if tokenizer.get("tokenizer_type") == "llama":
-        config.setdefault("add_bos_token", True)  # older files have no flag; llama.cpp adds BOS
-    for name, key in _SPECIAL_TOKEN_IDS.items():
-        token_id = fields.get(f"tokenizer.ggml.{key}")
-        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
-    return fields["general.architecture"], tokenizer, config
 
 
 def _read_json(path: Path) -> dict[str, Any]:
