@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
+import tokenizers
 
 from tollway.gguf_file import GGUFFile
 from tollway.model_config import ModelConfig
@@ -75,29 +76,36 @@ def tokenizer_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike
     """The folder Tokenizer.load reads for `model`, without loading its weights; None when the
     checkpoint has no tokenizer. A GGUF's is converted from the file's vocabulary once (seconds,
     for a 262k vocabulary) and kept in the cache; `reader`: the file already parsed, if it is."""
+    return tokenizer_source(model, cache_dir, reader)[0]
+
+
+def tokenizer_source(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
+                     reader: GGUFFile | None = None) -> tuple[Path | None, tokenizers.Tokenizer | None]:
+    """tokenizer_path's folder, and the tokenizer.json it holds as a `tokenizers` object where
+    converting the GGUF's just now built one: parsing the file again takes seconds."""
     source = resolve_model(model)
     if source.is_dir():
-        return source if (source / "tokenizer.json").is_file() else None
+        return (source if (source / "tokenizer.json").is_file() else None), None
     reader = reader or GGUFFile(source)
     if not has_gguf_tokenizer(reader):
-        return None
+        return None, None
     # Keyed by the tokenizer's own bytes in the file, not by the file: the sizes of one model
     # family share them (Gemma 3's, from 270M to 27B), and one conversion serves them all.
     keys = sorted(k for k in reader.metadata if k.startswith("tokenizer.")) + ["general.architecture"]
     digest = hashlib.sha256(f"{CACHE_FORMAT}\0{reader.digest(keys)}".encode()).hexdigest()[:16]
     alone = cache_root(cache_dir) / f"{reader.metadata['general.architecture']}-tokenizer-{digest}"
     if (alone / "tokenizer.json").is_file():
-        return alone
+        return alone, None
     alone.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alone.name}.tmp-", dir=alone.parent))
     try:
-        save_gguf_tokenizer(reader, tmp)
+        built = save_gguf_tokenizer(reader, tmp)
         try:
             os.replace(tmp, alone)
         except OSError:  # a concurrent call put it there first
             if not (alone / "tokenizer.json").is_file():
                 raise
         _log.info("wrote the tokenizer of %s to %s", source, alone)
-        return alone
+        return alone, built
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

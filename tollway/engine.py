@@ -13,7 +13,7 @@ from tqdm import tqdm
 from tollway.config import EngineConfig, kv_pool_blocks
 from tollway.model.host_memory import available_memory, return_freed_memory
 from tollway.model.runner import ModelRunner, kv_dtype_for
-from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from tollway.text.tokenizer import IncrementalDetokenizer
 from tollway.model.grammar import Grammars
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
@@ -43,11 +43,6 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _load_tokenizer(loaded: LoadedModel, chat_template: str | None) -> Tokenizer | None:
-    folder = loaded.tokenizer_path
-    return Tokenizer.load(folder, chat_template) if folder else None
 
 
 def _refuse_what_cannot_fit(loaded: LoadedModel, sched, kv_itemsize: int) -> None:
@@ -91,7 +86,7 @@ class Engine:
                                                                    sched.kernels_to_load()).itemsize)
             with ThreadPoolExecutor(1) as pool:
                 # Converting (a GGUF's first load) and parsing the tokenizer overlap with building the runner.
-                tokenizer = pool.submit(_load_tokenizer, loaded, config.chat_template)
+                tokenizer = pool.submit(loaded.load_tokenizer, config.chat_template)
                 self.runner = ModelRunner(
                     self.model_config, loaded.tensors, sched, self.device, sched.kernels_to_load(),
                     int8_cache=derived_cache_file(loaded.source, config.cache_dir, "int8.safetensors"),

@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import tokenizers
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
-from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_path
+from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_source
 from tollway.gguf_file import GGUFFile
 from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model_config import ModelConfig
+from tollway.text.tokenizer import Tokenizer
 
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER_NAMES = {
@@ -104,16 +106,25 @@ class LoadedModel:
     # HF names (see expected_tensor_shapes) -> float32 tensors (norms; every tensor of an HF folder),
     # or GGUFWeight for a GGUF file's quantized ones
     tensors: dict[str, torch.Tensor | GGUFWeight]
-    # The folder for Tokenizer.load (None when the checkpoint has no tokenizer), found when first
-    # asked for: a GGUF's first load converts it, which an engine does beside building its runner.
-    tokenizer_folder: Callable[[], Path | None]
+    # checkpoint.tokenizer_source's answer, found when first asked for: a GGUF's first load
+    # converts its tokenizer, which an engine does beside building its runner.
+    tokenizer_source: Callable[[], tuple[Path | None, tokenizers.Tokenizer | None]]
     source: Path  # the .gguf file or HF folder the weights came from
     load_seconds: float
     gguf: GGUFFile | None = None  # the file the GGUFWeights lie in
 
     @property
     def tokenizer_path(self) -> Path | None:
-        return self.tokenizer_folder()
+        """The folder for Tokenizer.load; None when the checkpoint has no tokenizer."""
+        return self.tokenizer_source()[0]
+
+    def load_tokenizer(self, chat_template: str | None = None) -> Tokenizer | None:
+        """Tokenizer.load of tokenizer_path, from the tokenizer a conversion just built where
+        there is one (handed out once: each engine's own)."""
+        folder, built = self.tokenizer_source()
+        if built is not None:
+            self.tokenizer_source = lambda: (folder, None)
+        return Tokenizer.load(folder, chat_template, backend=built) if folder else None
 
     def float_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor in float32, the quantized ones dequantized: for a reference implementation
@@ -149,12 +160,12 @@ def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.Pat
     source = resolve_model(model)
     if source.is_dir():
         config, tensors, tokenizer = _load_hf_folder(source)
-        return LoadedModel(config, tensors, lambda: tokenizer, source, time.perf_counter() - start)
+        return LoadedModel(config, tensors, lambda: (tokenizer, None), source, time.perf_counter() - start)
     reader = GGUFFile(source)
     config = ModelConfig.from_gguf(reader)
     tensors = _gguf_tensors(reader, config)
     _check_tensors(tensors, config, source)
-    return LoadedModel(config, tensors, functools.cache(functools.partial(tokenizer_path, source, cache_dir, reader)),
+    return LoadedModel(config, tensors, functools.cache(functools.partial(tokenizer_source, source, cache_dir, reader)),
                        source, time.perf_counter() - start, reader)
 
 

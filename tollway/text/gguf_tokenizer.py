@@ -26,9 +26,10 @@ def has_gguf_tokenizer(reader: GGUFFile) -> bool:
     return "tokenizer.ggml.tokens" in reader.metadata
 
 
-def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> None:
+def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json and generation_config.json for the tokenizer in a
-    GGUF file's metadata (has_gguf_tokenizer) into `folder`. Seconds, for a large vocabulary."""
+    GGUF file's metadata (has_gguf_tokenizer) into `folder`. Seconds, for a large vocabulary.
+    Returns the tokenizer.json written, as a `tokenizers` object."""
     fields = reader.metadata
     architecture = fields["general.architecture"]
     if architecture in _GEMMA and fields.get("tokenizer.ggml.model") == "llama" \
@@ -51,6 +52,7 @@ def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> None:
                ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
                if key in fields]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(dict.fromkeys(eos_ids))}))
+    return backend
 
 
 def gemma_sentencepiece(original: list[str], kinds: list[int]) -> Tokenizer:

@@ -43,14 +43,16 @@ class Tokenizer:
         self._special_token_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def load(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+    def load(cls, path: str | Path, chat_template: str | None = None,
+             backend: tokenizers.Tokenizer | None = None) -> Tokenizer:
         """From a folder with tokenizer.json, and optionally tokenizer_config.json,
         generation_config.json and chat_template.jinja (an HF folder or a converted-weights cache).
-        `chat_template` (Jinja text) replaces the model's own."""
+        `chat_template` (Jinja text) replaces the model's own; `backend`: the folder's
+        tokenizer.json already parsed (checkpoint.tokenizer_source)."""
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend = backend or tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         eos = _read_json(folder / "generation_config.json").get("eos_token_id")
         template = config.get("chat_template")
