@@ -60,7 +60,7 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
     most = min(sched.max_num_seqs, budget)
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= most} | {most})
     # The long context at every size; the short one, which tells attention from the rest, at three.
-    for c, batch_sizes in ((context // 4, sorted({1, min(8, most), most})), (context, sizes)):
+    for c, batch_sizes in ((context // 4, sorted({1, min(8, most), min(32, most)})), (context, sizes)):
         for b in batch_sizes:
             plans.append(plan([ScheduledSeq(f"p{i}", "standard", (1,), c, tables(i), True, _GREEDY) for i in range(b)]))
     return plans
