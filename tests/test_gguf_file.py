@@ -77,3 +77,25 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_clear_error(tiny_gguf, tmp
         short.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="cut short|not a readable GGUF"):
             GGUFFile(short)
+
+
+def test_an_array_is_read_when_first_looked_up_and_a_broken_one_is_a_clear_error_then(tmp_path):
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("t.strs", ["fine", "ünï"])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_uint32("t.after", 7)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = GGUFFile(path)
+    assert ours.metadata["t.after"] == 7 and ours.metadata.get("t.nested") == [[1, 2], [3]]
+    assert dict(ours.metadata.items())["t.strs"] == ["fine", "ünï"] and "t.missing" not in ours.metadata
+    # Bytes that are not UTF-8 inside the vocabulary: the parse skips them, the first lookup says so.
+    data = path.read_bytes().replace("ünï".encode(), b"\xff\xfe\xfd\xfc\xfb")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data)
+    reader = GGUFFile(broken)
+    assert reader.metadata["t.after"] == 7
+    with pytest.raises(ValueError, match="broken.gguf is not a readable GGUF file"):
+        reader.metadata["t.strs"]

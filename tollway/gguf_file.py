@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -46,24 +47,82 @@ class GGUFTensor:
     data: np.ndarray        # numbers, or for quantized types bytes: [..., bytes per row]
 
 
+class MappedFile:
+    """A file's read-only memory map, apart from what was parsed out of it: what a tensor read in
+    place keeps alive, and not the metadata (a vocabulary is tens of MB of Python strings)."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            try:
+                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                raise ValueError(f"{path} is not a GGUF file (it is empty)") from None
+        self.bytes = np.frombuffer(self.mmap, dtype=np.uint8)
+
+    def release_pages(self, part: np.ndarray | None = None) -> None:
+        """Drops this process's pages of the file, or of `part` of it (a tensor's data): they stay
+        in the page cache, what was read stops counting as this process's memory, and a later read
+        faults the page in again."""
+        if part is None:
+            self.mmap.madvise(mmap.MADV_DONTNEED)
+            return
+        start = part.ctypes.data - self.bytes.ctypes.data
+        first = start - start % mmap.PAGESIZE
+        self.mmap.madvise(mmap.MADV_DONTNEED, first, start + part.nbytes - first)
+
+
+class _Array(NamedTuple):
+    at: int  # where the array's item type lies
+
+
+class Metadata(dict):
+    """The key-value pairs, an array read into a list when first looked up: a start that finds
+    its tokenizer converted already never reads the vocabulary's strings (tens of MB of them)."""
+
+    def __init__(self, file: GGUFFile):
+        super().__init__()
+        self._file = file
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, _Array):
+            value = self._file._array(value.at)
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[key] for key in self]
+
+    def items(self):
+        return [(key, self[key]) for key in self]
+
+
 class GGUFFile:
     """metadata: {key: value}, Python values as GGUFReader's contents() gives them (a list for an
     array); tensors: in the file's order. ValueError for a file that is not GGUF, or is cut short."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            try:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except ValueError:  # an empty file cannot be mapped
-                raise ValueError(f"{self.path} is not a GGUF file (it is empty)") from None
-        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.mapped = MappedFile(self.path)
+        self._mmap, self._map = self.mapped.mmap, self.mapped.bytes
         self._buf = memoryview(self._map)
         self._at = 0
+        self._lock = threading.Lock()  # the reading position, for an array read after the parse
         try:
             self.metadata, self.tensors = self._read()
         except (struct.error, UnicodeDecodeError, IndexError) as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file ({exc})") from None
+
+    def _array(self, at: int) -> list:
+        with self._lock:
+            self._at = at
+            try:
+                return self._value(_ARRAY)
+            except (struct.error, UnicodeDecodeError, IndexError) as exc:
+                raise ValueError(f"{self.path} is not a readable GGUF file ({exc})") from None
 
     def _read(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if bytes(self._buf[:4]) != _MAGIC:
@@ -74,12 +133,17 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are; a "
                              "big-endian file reads as a huge version)")
         n_tensors, n_values = self._unpack("<Q"), self._unpack("<Q")
-        metadata = {}
+        metadata = Metadata(self)
         self._value_bytes: dict[str, tuple[int, int]] = {}  # key -> where its type and value lie
         for _ in range(n_values):
             key = self._string()
             start = self._at
-            metadata[key] = self._value(self._unpack("<I"))
+            kind = self._unpack("<I")
+            if kind == _ARRAY:
+                dict.__setitem__(metadata, key, _Array(self._at))
+                self._skip(kind)
+            else:
+                dict.__setitem__(metadata, key, self._value(kind))
             self._value_bytes[key] = (start, self._at)
         infos = []
         for _ in range(n_tensors):
@@ -116,17 +180,6 @@ class GGUFFile:
             h.update(self._buf[start:end])
         return h.hexdigest()
 
-    def release_pages(self, part: np.ndarray | None = None) -> None:
-        """Drops this process's pages of the file, or of `part` of it (a tensor's data): they stay
-        in the page cache, what was read stops counting as this process's memory, and a later read
-        faults the page in again."""
-        if part is None:
-            self._mmap.madvise(mmap.MADV_DONTNEED)
-            return
-        start = part.ctypes.data - self._map.ctypes.data
-        first = start - start % mmap.PAGESIZE
-        self._mmap.madvise(mmap.MADV_DONTNEED, first, start + part.nbytes - first)
-
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._buf, self._at)
         self._at += struct.calcsize(fmt)
@@ -160,6 +213,30 @@ class GGUFFile:
         if item == _STRING:
             return self._strings(n)
         return [self._value(item) for _ in range(n)]
+
+    def _skip(self, kind: int) -> None:
+        """Past a value without reading it, checking only that the file holds it."""
+        if kind == _STRING:
+            n = self._unpack("<Q")
+            self._at += n
+        elif kind in _SCALARS:
+            self._at += struct.calcsize(_SCALARS[kind][0])
+        elif kind != _ARRAY:
+            raise ValueError(f"{self.path}: unknown metadata value type {kind}")
+        else:
+            item, n = self._unpack("<I"), self._unpack("<Q")
+            if item in _SCALARS:
+                self._at += n * struct.calcsize(_SCALARS[item][0])
+            elif item == _STRING:
+                at, length = self._at, _U64.unpack_from
+                for _ in range(n):
+                    at += 8 + length(self._buf, at)[0]
+                self._at = at
+            else:
+                for _ in range(n):
+                    self._skip(item)
+        if self._at > len(self._buf):
+            raise ValueError(f"{self.path} is cut short inside its metadata")
 
     def _strings(self, n: int) -> list[str]:
         # One loop with nothing called per string but the unpack and the decode: a vocabulary

@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_source
-from tollway.gguf_file import GGUFFile
+from tollway.gguf_file import GGUFFile, MappedFile
 from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model_config import ModelConfig
 from tollway.text.tokenizer import Tokenizer
@@ -72,7 +72,7 @@ class GGUFWeight:
     gguf_type: GGMLQuantizationType
     data: np.ndarray  # [rows, bytes per row] uint8, the file's
     shape: tuple[int, int]  # (rows, values per row): the HF weight's shape
-    file: GGUFFile | None = None
+    file: MappedFile | None = None
     row_order: np.ndarray | None = None  # HF row i is the file's row row_order[i]
     _values: torch.Tensor | None = field(default=None, repr=False, compare=False)  # float(), once made
 
@@ -91,7 +91,7 @@ class GGUFWeight:
 
     def release_pages(self, start: int = 0, end: int | None = None) -> None:
         """Gives back this process's pages of the file's rows start..end of this tensor (all of
-        them by default; see GGUFFile.release_pages)."""
+        them by default; see MappedFile.release_pages)."""
         if self.file is not None:
             self.file.release_pages(self.data[start:end])
 
@@ -150,7 +150,7 @@ class LoadedModel:
         all of them), so they stop counting as its memory; what is read again comes back from the
         page cache."""
         if self.gguf is not None:
-            self.gguf.release_pages()
+            self.gguf.mapped.release_pages()
 
 
 def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
@@ -262,7 +262,7 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, torch.Tens
         rotary = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and len(t.shape) == 2:
             order = _unpermute_rotary(np.arange(len(t.data)), heads) if rotary else None
-            weight = GGUFWeight(t.tensor_type, t.data, (int(t.shape[1]), int(t.shape[0])), reader, order)
+            weight = GGUFWeight(t.tensor_type, t.data, (int(t.shape[1]), int(t.shape[0])), reader.mapped, order)
         else:  # plain numbers: norms, and the weights of unquantized files
             values = dequantize(t.data, t.tensor_type) if t.tensor_type != GGMLQuantizationType.F32 else t.data
             if config.architecture == "gemma3" and t.name.endswith("norm.weight"):
