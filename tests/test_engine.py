@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tollway.request import SamplingParams
+from tollway.request import InvalidRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,15 @@ def test_prompt_longer_than_context_is_refused(make_engine):
 def test_bad_token_ids_are_refused(engine):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, 2, 10**9], SamplingParams())
+
+
+def test_text_a_tokenizer_encodes_past_the_models_vocabulary_is_refused(engine, monkeypatch):
+    # A tokenizer with more tokens than the model has rows (an added token past its embedding).
+    past = engine.model_config.vocab_size
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, add_special_tokens=True: [2, 10, past])
+    with pytest.raises(InvalidRequest, match=f"token id {past}, past this model's {past} tokens"):
+        engine.add_request("hello", SamplingParams())
+    assert not engine.has_unfinished()
 
 
 def test_the_default_cpu_kernel_is_q8_and_its_fused_greedy_head_picks_the_logits_argmax(make_engine,

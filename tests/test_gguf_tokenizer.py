@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 
-from tollway.text.gguf_tokenizer import _converter_fields, gemma_sentencepiece
+import gguf
+
+from tollway.gguf_file import GGUFFile
+from tollway.text.gguf_tokenizer import _converter_fields, gemma_sentencepiece, save_gguf_tokenizer
+from tollway.text.tokenizer import Tokenizer
 
 
 def test_gemmas_vocabulary_builds_the_tokenizer_transformers_converter_builds(default_weights):
@@ -27,3 +31,31 @@ def test_a_token_of_spaces_is_respelled_and_merges_follow_the_files_order():
     assert "\u2581\u2581" in model["vocab"] and "  " not in model["vocab"]
     # Each token's merges at its place in the file, its longest left part first.
     assert model["merges"] == [["a", "b"], ["\u2581", "\u2581"], ["ab", "ab"], ["b", "a"]]
+
+
+def test_a_byte_level_vocabulary_gets_no_token_past_the_files(tmp_path):
+    # transformers' GPT-2 class adds its own "<|endoftext|>" when the vocabulary lacks it (Llama 3's
+    # does): one id past the model's embedding, which a prompt's text could then name.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    tokens = [*alphabet, "\u0120t", "he", "\u0120the", "<|begin_of_text|>", "<|eot_id|>"]
+    path = tmp_path / "bpe.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges(["\u0120 t", "h e", "\u0120t he"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    save_gguf_tokenizer(GGUFFile(path), tmp_path)
+    tokenizer = Tokenizer.load(tmp_path)
+    assert tokenizer.vocab_size == len(tokens)
+    ids = tokenizer.encode("the <|endoftext|> the<|eot_id|>")
+    assert max(ids) < len(tokens) and ids[0] == len(tokens) - 2 and ids[-1] == len(tokens) - 1
+    assert tokenizer.decode(ids) == "the <|endoftext|> the"

@@ -135,6 +135,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
             ids = self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.model_config.vocab_size:  # a tokenizer with more tokens than the model
+                raise InvalidRequest(f"the prompt's text encodes to token id {max(ids)}, past this model's "
+                                     f"{self.model_config.vocab_size} tokens", "prompt")
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):

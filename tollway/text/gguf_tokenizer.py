@@ -37,7 +37,8 @@ def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> Tokenizer:
         backend = gemma_sentencepiece(fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type") or ())
     else:
         from transformers.integrations.gguf import convert_gguf_tokenizer
-        backend = convert_gguf_tokenizer(architecture, _converter_fields(fields))[0]
+        backend = _within(convert_gguf_tokenizer(architecture, _converter_fields(fields))[0],
+                          len(fields["tokenizer.ggml.tokens"]))
     config = _tokenizer_config(fields)
     bos, eos = config["bos_token"], config["eos_token"]
     # The converter leaves BOS/EOS insertion to the transformers class around it; put it in tokenizer.json.
@@ -84,6 +85,17 @@ def gemma_sentencepiece(original: list[str], kinds: list[int]) -> Tokenizer:
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, kind in zip(original, kinds) if kind == _USER_DEFINED and t in vocab])
     return backend
+
+
+def _within(backend: Tokenizer, size: int) -> Tokenizer:
+    """`backend` without the added tokens past the file's `size` tokens: transformers' GPT-2 class
+    adds its own "<|endoftext|>" where a vocabulary lacks it (Llama 3's does), an id past the
+    model's embedding that a prompt's text could then name."""
+    if backend.get_vocab_size(with_added_tokens=True) <= size:
+        return backend
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < size]
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _tokenizer_config(fields: dict[str, Any]) -> dict[str, Any]:
