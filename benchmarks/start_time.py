@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,43 +31,23 @@ from bench_example import free_port  # noqa: E402
 from common import command_line, machine_info, run_benchmark, targets_line  # noqa: E402
 from models import SHAPES, made, model_path  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, cache_root  # noqa: E402
+from vs_llamacpp import serving  # noqa: E402
 
 FULL = dict(models=[DEFAULT_MODEL, "gemma3-1b", "llama3.2-1b"], rounds=3)
 QUICK = dict(models=[DEFAULT_MODEL], rounds=1)
-LIMIT_SECONDS = 600
 
 
 def start_seconds(model: str, cache: Path, threads: int) -> float:
     """One `tollway serve` from its command to a 200 from /health, then stopped."""
     port = free_port()
-    env = {**os.environ, "TOLLWAY_CACHE": str(cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="tollway-start-") as data:
         command = [sys.executable, "-m", "tollway", "serve", *([] if model == DEFAULT_MODEL else ["--model", model]),
                    "--port", str(port), "--threads", str(threads), "--data-dir", data,
                    "--keys-db", str(Path(data) / "keys.sqlite")]
         started = time.perf_counter()
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
-        try:
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"start_time: tollway serve exited with {server.returncode}:\n"
-                                     f"{server.stderr.read()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        return time.perf_counter() - started
-                except httpx.TransportError:
-                    pass
-                if time.perf_counter() - started > LIMIT_SECONDS:
-                    raise SystemExit(f"start_time: tollway serve not healthy after {LIMIT_SECONDS} s")
-                time.sleep(0.05)
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+        with serving("tollway", command, port, Path(data) / "log", poll_seconds=0.05,
+                     environment={"TOLLWAY_CACHE": str(cache)}):
+            return time.perf_counter() - started
 
 
 def run(s: dict, quick: bool) -> dict:

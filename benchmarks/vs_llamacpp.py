@@ -305,10 +305,13 @@ def _tollway_command(model: str, served: str, port: int, data: Path, threads: in
 
 
 @contextmanager
-def serving(name: str, command: list[str], port: int, log: Path):
-    """A server started, healthy, and stopped (SIGINT, then kill) when the block ends."""
+def serving(name: str, command: list[str], port: int, log: Path, poll_seconds: float = 1.0,
+            environment: dict[str, str] | None = None):
+    """A server started, healthy (/health asked every `poll_seconds`), and stopped (SIGINT, then
+    kill) when the block ends; `environment`: variables for it beside this process's."""
     # PYTHONPATH: tollway serve runs this checkout's tollway, as the bench process does.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **(environment or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -326,8 +329,8 @@ def serving(name: str, command: list[str], port: int, log: Path):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"vs_llamacpp: {name} was not healthy after {START_LIMIT_SECONDS} s; "
                                      f"its log: {log}")
-                time.sleep(1.0)
-                bar.update()
+                time.sleep(poll_seconds)
+                bar.update(poll_seconds)
         yield server
     finally:
         server.send_signal(signal.SIGINT)
