@@ -1,6 +1,7 @@
 """Shared fixtures. Model fixtures are session-scoped: the default model is loaded once."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -8,9 +9,28 @@ import pytest
 import torch
 
 from tollway.text.tokenizer import Tokenizer
+from tollway.model.host_memory import return_freed_memory
 from tollway.model.weights import LoadedModel, load_weights
 
 from postgres_server import postgres, store_target  # noqa: F401 -- fixtures: one server for the session
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_what_the_module_built():
+    """After each module, give back the engines it built: the suite must fit in 8 GB. Three things
+    would keep them for the whole session: FastAPI (0.165) caches each endpoint it classifies in
+    module-level LRUs, and the endpoints' closures hold their app's AsyncEngine; a server's
+    AsyncEngine and its LiveStats form a cycle, which the next Engine's gc.freeze() puts out of
+    the collector's reach; and freed heap stays in the process (host_memory.keep_freed_memory)."""
+    yield
+    import fastapi.dependencies.models
+
+    for value in vars(fastapi.dependencies.models).values():
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+    gc.unfreeze()  # the next Engine freezes what is alive then again
+    gc.collect()
+    return_freed_memory()
 
 
 @pytest.fixture(scope="session")
