@@ -25,8 +25,8 @@ CLOSE = {"rtol": 2e-5, "atol": 2e-5}
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    ops = row_ops_for(torch.device("cpu"), 256, tmp_path_factory.mktemp("cache"))
+def native(native_cache):
+    ops = row_ops_for(torch.device("cpu"), 256, native_cache)
     assert isinstance(ops, NativeRowOps)
     return ops
 
@@ -138,13 +138,12 @@ def test_attention_matches_torch(native, window, softcap, dtype):
 
 
 @pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory):
+def avx2_build(native_library, tmp_path_factory):
     """row_ops.c built as for a run forced to AVX2 (x86-64-v3: AVX2, FMA, F16C; no AVX-512), whatever this machine has."""
-    q8 = q8_library(tmp_path_factory.mktemp("q8"))
-    if "avx2" not in q8.supported:
+    if "avx2" not in native_library.supported:
         pytest.skip("needs a CPU that runs an AVX2 build")
     lib = row_ops_library(tmp_path_factory.mktemp("avx2"), "avx2")
-    return NativeRowOps(ctypes.CDLL(str(lib)), q8)
+    return NativeRowOps(ctypes.CDLL(str(lib)), native_library)
 
 
 @pytest.mark.parametrize("window", [0, 24])
@@ -335,7 +334,7 @@ def test_a_half_cache_rounds_as_torch_does_at_the_edges(native):
 
 
 @pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
-def test_a_run_forced_to_avx2_builds_the_row_ops_for_an_avx2_cpu(tmp_path, monkeypatch):
+def test_a_run_forced_to_avx2_builds_the_row_ops_for_an_avx2_cpu(native_cache, tmp_path, monkeypatch):
     """On an AVX-512 CPU, TOLLWAY_ISA=avx2 measures the AVX2 kernels; the attention and norms
     around them must then run as an AVX2-only CPU runs them too, not on AVX-512."""
     if "avx512vnni" not in q8_library().supported:
@@ -343,7 +342,7 @@ def test_a_run_forced_to_avx2_builds_the_row_ops_for_an_avx2_cpu(tmp_path, monke
     monkeypatch.setenv("TOLLWAY_ISA", "avx2")
     forced = row_ops_for(torch.device("cpu"), 256, tmp_path)  # its own libraries, built as a forced run does
     assert forced.build.endswith("-avx2")
-    builds = {"own": row_ops_library(tmp_path / "own"), "forced": tmp_path / "native" / f"{forced.build.split('+')[0]}.so"}
+    builds = {"own": row_ops_library(native_cache / "native"), "forced": tmp_path / "native" / f"{forced.build.split('+')[0]}.so"}
     code = {name: subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
             for name, lib in builds.items()}
     assert "%zmm" in code["own"]  # this CPU's own build uses AVX-512 ...
