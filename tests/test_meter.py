@@ -48,8 +48,14 @@ def _per_token(seconds, tiers, tier):
     return sum(s for rid, s in seconds.items() if tiers[rid] == tier) / sum(t == tier for t in tiers.values())
 
 
-def test_attributed_time_adds_up_to_busy_time_over_a_mixed_run(make_engine, tmp_path):
-    meter, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "lanes")
+@pytest.fixture(scope="module")
+def lanes_run(make_engine, tmp_path_factory):
+    """The lanes run both tests below read: it is the same run for each."""
+    return _mixed_run(make_engine, tmp_path_factory.mktemp("meter"), "lanes")
+
+
+def test_attributed_time_adds_up_to_busy_time_over_a_mixed_run(lanes_run):
+    meter, seconds, tiers, capped = lanes_run
     assert capped > 0  # fast requests shaped steps that others rode in
     assert set(tiers.values()) == {"fast", "standard", "batch"}
     # Steps kept short after the last fast request hold readiness for a fast arrival to come.
@@ -58,8 +64,8 @@ def test_attributed_time_adds_up_to_busy_time_over_a_mixed_run(make_engine, tmp_
     assert all(s > 0 for s in seconds.values())
 
 
-def test_fast_tokens_cost_more_under_lanes_and_the_same_without(make_engine, tmp_path):
-    _, seconds, tiers, _ = _mixed_run(make_engine, tmp_path, "lanes")
+def test_fast_tokens_cost_more_under_lanes_and_the_same_without(make_engine, tmp_path, lanes_run):
+    _, seconds, tiers, _ = lanes_run
     # Every request has the same prompt and output length, so per request is per token.
     assert _per_token(seconds, tiers, "fast") > 1.2 * _per_token(seconds, tiers, "standard")
     _, seconds, tiers, capped = _mixed_run(make_engine, tmp_path, "fcfs")
