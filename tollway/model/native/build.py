@@ -26,6 +26,7 @@ _log = logging.getLogger(__name__)
 _FORCED_MARCH = {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
 _BUILDERS = ThreadPoolExecutor(max_workers=3, thread_name_prefix="tollway-cc")  # one per source
 _building: dict[tuple, Future] = {}  # the builds under way, by what they build
+_built: dict[tuple, Path] = {}  # the libraries this process has built or found, by what they build
 _building_lock = threading.RLock()  # a done future runs its callback at once, under the lock
 
 
@@ -54,16 +55,21 @@ def start_build(source: Path, folder: Path, flags: list[str], headers: tuple[Pat
     key = (cc, source, folder, tuple(flags), tuple(headers))
     with _building_lock:
         future = _building.get(key)
-        if future is None:
+        if future is None and key in _built and _built[key].is_file():
+            future = Future()  # found by this process already: not hashed again (each engine asks)
+            future.set_result(_built[key])
+        elif future is None:
             future = _building[key] = _BUILDERS.submit(_build, cc, source, folder, flags, headers, fallback)
             future.add_done_callback(lambda _: _forget(key))
         return future
 
 
 def _forget(key: tuple) -> None:
-    # Only builds under way are shared: a later call checks the cache again (it may have been deleted).
+    # A build under way is shared; one done is remembered by its library, checked again if that is gone.
     with _building_lock:
-        _building.pop(key, None)
+        future = _building.pop(key)
+        if future.exception() is None and future.result() is not None:
+            _built[key] = future.result()
 
 
 def _build(cc: str | None, source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...],
