@@ -79,14 +79,14 @@ class Metadata(dict):
     """The key-value pairs, an array read into a list when first looked up: a start that finds
     its tokenizer converted already never reads the vocabulary's strings (tens of MB of them)."""
 
-    def __init__(self, file: GGUFFile):
+    def __init__(self, parser: _Parser):
         super().__init__()
-        self._file = file
+        self._parser = parser
 
     def __getitem__(self, key: str) -> Any:
         value = super().__getitem__(key)
         if isinstance(value, _Array):
-            value = self._file._array(value.at)
+            value = self._parser.array(value.at)
             super().__setitem__(key, value)
         return value
 
@@ -106,17 +106,33 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.mapped = MappedFile(self.path)
+        # The parser stays for the arrays read later; it holds the metadata's values, not the
+        # file object (no cycle: a load's file goes when its last reference does).
+        self._parser = _Parser(self.path)
+        self.mapped = self._parser.mapped
+        try:
+            self.metadata, self.tensors = self._parser.read()
+        except (struct.error, UnicodeDecodeError, IndexError) as exc:
+            raise ValueError(f"{self.path} is not a readable GGUF file ({exc})") from None
+
+    def digest(self, keys: list[str]) -> str:
+        """A hash of these metadata values as the file stores them (keys it lacks count as
+        absent): what a cache of something derived from them alone can be keyed by."""
+        return self._parser.digest(keys)
+
+
+class _Parser:
+    """The reading of one file's header: its metadata, its tensors' places, an array when asked."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.mapped = MappedFile(path)
         self._mmap, self._map = self.mapped.mmap, self.mapped.bytes
         self._buf = memoryview(self._map)
         self._at = 0
         self._lock = threading.Lock()  # the reading position, for an array read after the parse
-        try:
-            self.metadata, self.tensors = self._read()
-        except (struct.error, UnicodeDecodeError, IndexError) as exc:
-            raise ValueError(f"{self.path} is not a readable GGUF file ({exc})") from None
 
-    def _array(self, at: int) -> list:
+    def array(self, at: int) -> list:
         with self._lock:
             self._at = at
             try:
@@ -124,7 +140,7 @@ class GGUFFile:
             except (struct.error, UnicodeDecodeError, IndexError) as exc:
                 raise ValueError(f"{self.path} is not a readable GGUF file ({exc})") from None
 
-    def _read(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    def read(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if bytes(self._buf[:4]) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (no GGUF magic)")
         self._at = 4
@@ -171,8 +187,6 @@ class GGUFFile:
         return GGUFTensor(name, kind, dims, self._map[at:at + nbytes].view(dtype).reshape(shape))
 
     def digest(self, keys: list[str]) -> str:
-        """A hash of these metadata values as the file stores them (keys it lacks count as
-        absent): what a cache of something derived from them alone can be keyed by."""
         h = hashlib.sha256()
         for key in keys:
             start, end = self._value_bytes.get(key, (0, 0))
