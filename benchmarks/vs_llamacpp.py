@@ -6,6 +6,7 @@ default Gemma 3 270M Q4_K_M, or --model), one after the other in one run, under 
     python benchmarks/vs_llamacpp.py --quick  # a few minutes, for development; writes benchmarks/out/ only
     python benchmarks/vs_llamacpp.py --threads 1  # both servers on one thread: for a busy machine (see below)
     python benchmarks/vs_llamacpp.py --model PATH.gguf  # on another GGUF (benchmarks/models.py makes test ones)
+    python benchmarks/vs_llamacpp.py --model PATH.gguf --large  # a 4B or 8B: each load once, 32 new tokens
 
 A run with --model writes benchmarks/results/vs_llamacpp-<the file's stem>.json (and the CPU kind's
 suffix, as the default's record has) and a README section of its own, which names the file, its
@@ -118,6 +119,12 @@ WAVES = 2
 FULL = dict(loads=[Load("1 stream", 1, 128, 128, 6, 1, ROUNDS), Load("16 streams", 16, 128, 128, 16 * WAVES, 2),
                    Load("64 streams", 64, 128, 128, 64 * WAVES, 3, ROUNDS), Load("2048-token prompt", 1, 2048, 1, 2, 4)],
             batched_bench=dict(npp=128, ntg=128, npl=(1, 16, 64)))
+# --large, for a model of several GB (4B, 8B) on a small machine, where FULL's loads take hours:
+# each load once, 32 new tokens a request; 64 streams' one measured wave still gives that load's
+# peak memory and its speed. A record, as FULL's is.
+LARGE = dict(loads=[Load("1 stream", 1, 128, 32, 3, 1), Load("64 streams", 64, 128, 32, 64, 3),
+                    Load("2048-token prompt", 1, 2048, 1, 1, 4)],
+             batched_bench=dict(npp=128, ntg=32, npl=(1, 64)))
 QUICK = dict(loads=[Load("1 stream", 1, 128, 32, 2, 1), Load("16 streams", 16, 128, 32, 16, 2),
                     Load("2048-token prompt", 1, 2048, 1, 1, 4)],
              batched_bench=dict(npp=128, ntg=32, npl=(1, 16)))
@@ -427,6 +434,8 @@ def _tollway_source() -> dict:
 
 
 def run(settings: dict, quick: bool) -> dict:
+    if settings.get("large") and not quick:
+        settings = {**settings, **LARGE}
     machine, source = machine_info(), _tollway_source()  # before the servers start: others may commit meanwhile
     peer = peer_binaries()
     model = settings.get("model") or DEFAULT_MODEL
@@ -464,6 +473,7 @@ def run(settings: dict, quick: bool) -> dict:
     engine_alone = batched_bench(folder, gguf, settings["batched_bench"], threads)
     machine["load_average_at_end"] = os.getloadavg()[0]
     flags = ((f" --model {settings['model']}" if settings.get("model") else "") + (" --quick" if quick else "")
+             + (" --large" if settings.get("large") and not quick else "")
              + (f" --threads {threads}" if threads != os.cpu_count() else ""))
     return {"command": command_line("vs_llamacpp.py", flags), "threads": threads,
             "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
@@ -649,6 +659,8 @@ if __name__ == "__main__":
     run_benchmark("vs_llamacpp", __doc__, run, markdown, FULL, QUICK, options={
         "threads": dict(type=int, default=os.cpu_count(),
                         help="threads for each server and llama-batched-bench (default: all cores)"),
+        "large": dict(action="store_true", help="for a model of several GB: each load once, 32 new tokens a "
+                                                "request (the full loads take hours on a small machine)"),
         "model": dict(default=None, metavar="PATH",
                       help="a GGUF file to compare on (default: the embedded Gemma 3 270M); the record is "
                            "results/vs_llamacpp-<its stem>.json and its own README section")},

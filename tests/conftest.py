@@ -41,7 +41,8 @@ def default_weights() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_weights: LoadedModel) -> Tokenizer:
-    return Tokenizer.load(default_weights.tokenizer_path)
+    """The engine's: read natively from the file (sentencepiece_bpe.py)."""
+    return default_weights.load_tokenizer()
 
 
 @pytest.fixture(scope="session")

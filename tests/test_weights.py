@@ -229,9 +229,9 @@ def test_a_tokenizer_converted_now_is_handed_out_once_as_built_then_read_from_it
     folder, built = loaded.tokenizer_source()
     assert built is not None and (folder / "tokenizer.json").is_file()
     first = loaded.load_tokenizer()
-    assert first._backend is built and loaded.tokenizer_source() == (folder, None)
+    assert first._backend.hf is built and loaded.tokenizer_source() == (folder, None)
     second = loaded.load_tokenizer()  # another engine's: its own, parsed from the files written
-    assert second._backend is not built
+    assert second._backend.hf is not built
     text = "hello world, a test"
     assert first.encode(text) == second.encode(text) and first.eos_token_ids == second.eos_token_ids
     assert load_weights(tiny_gguf, cache_dir=tmp_path).tokenizer_source() == (folder, None)  # cached now

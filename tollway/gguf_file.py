@@ -120,6 +120,12 @@ class GGUFFile:
         absent): what a cache of something derived from them alone can be keyed by."""
         return self._parser.digest(keys)
 
+    def array_bytes(self, key: str) -> tuple[int, int, np.ndarray]:
+        """Array `key`'s item type (a GGUF value type: 8 for strings), its length, and its items
+        as the file holds them (a view of the map): for native code that reads a vocabulary
+        without making 262144 Python strings. KeyError where the file has no such array."""
+        return self._parser.array_bytes(key)
+
 
 class _Parser:
     """The reading of one file's header: its metadata, its tensors' places, an array when asked."""
@@ -185,6 +191,13 @@ class _Parser:
         if at + nbytes > len(self._map):
             raise ValueError(f"{self.path} is cut short: tensor {name} ends past the end of the file")
         return GGUFTensor(name, kind, dims, self._map[at:at + nbytes].view(dtype).reshape(shape))
+
+    def array_bytes(self, key: str) -> tuple[int, int, np.ndarray]:
+        start, end = self._value_bytes[key]
+        kind, item, n = struct.unpack_from("<IIQ", self._buf, start) if end - start >= 16 else (None, 0, 0)
+        if kind != _ARRAY:
+            raise KeyError(f"{self.path}: metadata {key} is not an array")
+        return item, n, self._map[start + 16:end]
 
     def digest(self, keys: list[str]) -> str:
         h = hashlib.sha256()

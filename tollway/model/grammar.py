@@ -151,8 +151,7 @@ class Grammars:
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         if self._ll is None:
-            self._ll = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=self._vocab_size,
-                                              eos_token=list(self._tokenizer.eos_token_ids))
+            self._ll = self._tokenizer.lltokenizer(self._vocab_size)
             self._closers = [t for t in map(self._token, _CLOSERS) if t >= 0]
             self._quote, self._letter = self._token(_QUOTE), self._token(_LETTER)
         return self._ll

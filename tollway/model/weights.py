@@ -28,6 +28,7 @@ from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_sour
 from tollway.gguf_file import GGUFFile, MappedFile
 from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model_config import ModelConfig
+from tollway.text.sentencepiece_bpe import native_tokenizer
 from tollway.text.tokenizer import Tokenizer
 
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -112,6 +113,7 @@ class LoadedModel:
     source: Path  # the .gguf file or HF folder the weights came from
     load_seconds: float
     gguf: GGUFFile | None = None  # the file the GGUFWeights lie in
+    cache_dir: str | os.PathLike | None = None  # checkpoint.cache_root's argument
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -119,8 +121,12 @@ class LoadedModel:
         return self.tokenizer_source()[0]
 
     def load_tokenizer(self, chat_template: str | None = None) -> Tokenizer | None:
-        """Tokenizer.load of tokenizer_path, from the tokenizer a conversion just built where
-        there is one (handed out once: each engine's own)."""
+        """A GGUF's own tokenizer read natively where sentencepiece_bpe serves it (Gemma's); else
+        Tokenizer.load of tokenizer_path, from the tokenizer a conversion just built where there
+        is one (handed out once: each engine's own)."""
+        native = native_tokenizer(self.gguf, chat_template, self.cache_dir) if self.gguf is not None else None
+        if native is not None:
+            return native
         folder, built = self.tokenizer_source()
         if built is not None:
             self.tokenizer_source = lambda: (folder, None)
@@ -166,7 +172,7 @@ def load_weights(model: str | os.PathLike | None = None, cache_dir: str | os.Pat
     tensors = _gguf_tensors(reader, config)
     _check_tensors(tensors, config, source)
     return LoadedModel(config, tensors, functools.cache(functools.partial(tokenizer_source, source, cache_dir, reader)),
-                       source, time.perf_counter() - start, reader)
+                       source, time.perf_counter() - start, reader, cache_dir)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    import llguidance
 
 _REPLACEMENT = "\ufffd"
 # Gemma's turn markers; a vocabulary that has them gets Gemma's chat format when it has no template.
@@ -19,9 +22,12 @@ _START_OF_TURN, _END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
 
 
 class Tokenizer:
-    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None,
+    def __init__(self, backend: TokenizerBackend | tokenizers.Tokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None, eos_token_ids: Iterable[int] = (),
                  chat_template: str | None = None):
+        """`backend`: what encodes and decodes (a `tokenizers` one is wrapped as HFBackend)."""
+        if isinstance(backend, tokenizers.Tokenizer):
+            backend = HFBackend(backend)
         self._backend = backend
         self._bos_token = bos_token
         self._eos_token = eos_token
@@ -37,10 +43,8 @@ class Tokenizer:
         self._template = _jinja_env().from_string(chat_template) if chat_template else None
         # A template that reads a `tools` variable shows the model the tools it may call.
         self.renders_tools = bool(chat_template) and "tools" in chat_template
-        # Byte-fallback tokens (<0x00>..<0xFF>): text decoded from a run of them can change as the run grows.
-        byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(backend.model, "byte_fallback", False) else ()
-        self._byte_token_ids = frozenset(i for i in byte_ids if i is not None)
-        self._special_token_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._byte_token_ids = backend.byte_token_ids
+        self._special_token_ids = backend.special_token_ids
 
     @classmethod
     def load(cls, path: str | Path, chat_template: str | None = None,
@@ -70,19 +74,19 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._backend.vocab_size
 
-    def backend_json(self) -> str:
-        """The tokenizer as tokenizer.json holds it (what llguidance builds its own from)."""
-        return self._backend.to_str()
+    def lltokenizer(self, n_vocab: int) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer of this one, for a vocabulary of `n_vocab` (the model's rows)."""
+        return self._backend.lltokenizer(n_vocab, list(self.eos_token_ids))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, BOS is prepended when the model wants it.
         Encode a rendered chat template with add_special_tokens=False: the template writes BOS itself."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
@@ -101,6 +105,46 @@ class Tokenizer:
         if self._gemma_turns:
             return _gemma_prompt(messages, add_generation_prompt, self._bos_token or "")
         raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
+
+
+class TokenizerBackend(Protocol):
+    """What a Tokenizer encodes and decodes with: HFBackend, or sentencepiece_bpe's native one."""
+    vocab_size: int  # tokens, added ones included
+    byte_token_ids: frozenset[int]  # byte-fallback tokens (<0x00>..<0xFF>), where it has them
+    special_token_ids: frozenset[int]
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool) -> str: ...
+
+    def lltokenizer(self, n_vocab: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer: ...
+
+
+class HFBackend:
+    """A `tokenizers` tokenizer (a tokenizer.json) as a TokenizerBackend."""
+
+    def __init__(self, hf: tokenizers.Tokenizer):
+        self.hf = hf
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        byte_ids = (hf.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(hf.model, "byte_fallback", False) else ()
+        self.byte_token_ids = frozenset(i for i in byte_ids if i is not None)
+        self.special_token_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def lltokenizer(self, n_vocab: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+        import llguidance  # a server's grammars use it; the bench clients that load tokenizers do not
+
+        return llguidance.LLTokenizer(self.hf.to_str(), n_vocab=n_vocab, eos_token=eos_token_ids)
 
 
 class IncrementalDetokenizer:

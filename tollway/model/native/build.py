@@ -24,7 +24,7 @@ _log = logging.getLogger(__name__)
 # The CPU that each instruction set qmatmul.c can be forced down to (TOLLWAY_ISA) stands for.
 # x86-64-v3 is AVX2, FMA, F16C and BMI2: the AVX2 kernels' own.
 _FORCED_MARCH = {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
-_BUILDERS = ThreadPoolExecutor(max_workers=3, thread_name_prefix="tollway-cc")  # one per source
+_BUILDERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tollway-cc")  # one per source
 _building: dict[tuple, Future] = {}  # the builds under way, by what they build
 _built: dict[tuple, Path] = {}  # the libraries this process has built or found, by what they build
 _building_lock = threading.RLock()  # a done future runs its callback at once, under the lock
@@ -105,7 +105,7 @@ def _build(cc: str | None, source: Path, folder: Path, flags: list[str], headers
 
 @functools.lru_cache(maxsize=None)
 def _compiler_identity(cc: str) -> bytes:
-    """`cc --version`, asked once a process: each start builds three sources, and forking the
+    """`cc --version`, asked once a process: each start builds several sources, and forking the
     compiler from a process holding the model's pages is slow."""
     return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.encode()
 

@@ -1,6 +1,6 @@
 """Starting every native source's build at the start of a load.
 
-On a machine's first start the three compiles take seconds each; started together at once,
+On a machine's first start the compiles take seconds each; started together at once,
 they run beside one another and beside reading the model and converting its tokenizer, and
 the parts of the load that need a library join its build (build.start_build)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from tollway.checkpoint import cache_root
 from tollway.model.native.qmatmul import q8_build
 from tollway.model.row_ops import row_ops_build
 from tollway.model.sampling import sampling_build
+from tollway.text.sentencepiece_bpe import sentencepiece_build
 
 
 def start_native_builds(cache_dir: str | os.PathLike | None = None) -> None:
@@ -18,6 +19,7 @@ def start_native_builds(cache_dir: str | os.PathLike | None = None) -> None:
     if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
         return
     q8_build(cache_dir)
+    sentencepiece_build(cache_dir)
     # A forced instruction set builds the other sources for that CPU kind (build.native_flags),
     # known once the q8 library says what this CPU runs best: those builds then start on demand.
     if not os.environ.get("TOLLWAY_ISA"):
