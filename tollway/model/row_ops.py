@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
-from tollway.model.native.build import native_flags, start_build
+from tollway.model.native.build import native_code_enabled, native_flags, start_build
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
 from tollway.checkpoint import cache_root
@@ -154,7 +154,7 @@ def row_ops_for(device: torch.device, head_dim: int, cache_dir: str | os.PathLik
     """The native kernels on a CPU where they compile (set TOLLWAY_NATIVE=0 to turn them off),
     torch otherwise. They run on the integer matmuls' thread pool, so they need that library too."""
     # The attention kernel reads heads in 16-float pieces.
-    if device.type != "cpu" or head_dim % 16 or os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+    if device.type != "cpu" or head_dim % 16 or not native_code_enabled():
         return TorchRowOps()
     q8 = q8_library(cache_dir)
     lib = row_ops_library(cache_root(cache_dir) / "native", q8.forced if q8 else None)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tollway.model.native.build import native_flags, start_build
+from tollway.model.native.build import native_code_enabled, native_flags, start_build
 from tollway.model.native.qmatmul import q8_library
 from tollway.checkpoint import cache_root
 from tollway.scheduler.plan import SampledToken, ScheduledSeq
@@ -51,7 +51,7 @@ class NativeDraw:
 def native_draw(cache_dir: str | os.PathLike | None = None) -> NativeDraw | None:
     """sampling.c built for this machine (native/build.py), on the q8 library's thread pool;
     None without a compiler, or with TOLLWAY_NATIVE=0."""
-    if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+    if not native_code_enabled():
         return None
     q8 = q8_library(cache_dir)
     lib = sampling_build(cache_dir, q8.forced if q8 else None).result()

@@ -15,7 +15,7 @@ import numpy as np
 
 from tollway.checkpoint import cache_root
 from tollway.gguf_file import GGUFFile
-from tollway.model.native.build import start_build
+from tollway.model.native.build import native_code_enabled, start_build
 from tollway.text.gguf_tokenizer import eos_token_ids, is_gemma_sentencepiece, tokenizer_config
 from tollway.text.tokenizer import Tokenizer
 
@@ -68,7 +68,7 @@ class SentencePieceBPE:
     def from_gguf(cls, reader: GGUFFile, cache_dir: str | os.PathLike | None = None) -> SentencePieceBPE | None:
         """The file's tokenizer, where it is Gemma's SentencePiece kind and the native code builds
         (not with TOLLWAY_NATIVE=0); None otherwise (the `tokenizers` one serves)."""
-        if os.environ.get("TOLLWAY_NATIVE", "1") == "0" or not is_gemma_sentencepiece(reader.metadata):
+        if not native_code_enabled() or not is_gemma_sentencepiece(reader.metadata):
             return None
         library = sentencepiece_build(cache_dir).result()
         return cls(library, reader) if library else None

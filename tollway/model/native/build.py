@@ -30,6 +30,12 @@ _built: dict[tuple, Path] = {}  # the libraries this process has built or found,
 _building_lock = threading.RLock()  # a done future runs its callback at once, under the lock
 
 
+def native_code_enabled() -> bool:
+    """False with TOLLWAY_NATIVE=0: every native part then gives way to its fallback (torch, the
+    `tokenizers` library), to compare against or to rule the native code out."""
+    return os.environ.get("TOLLWAY_NATIVE", "1") != "0"
+
+
 def native_flags(forced_isa: str | None = None) -> list[str]:
     """Flags for the sources built for one machine (row_ops.c, sampling.c): for this CPU, or for
     the kind of CPU that `forced_isa` stands for where the integer kernels are forced below this

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from tollway.checkpoint import cache_root
+from tollway.model.native.build import native_code_enabled
 from tollway.model.native.qmatmul import q8_build
 from tollway.model.row_ops import row_ops_build
 from tollway.model.sampling import sampling_build
@@ -16,7 +17,7 @@ from tollway.text.sentencepiece_bpe import sentencepiece_build
 
 def start_native_builds(cache_dir: str | os.PathLike | None = None) -> None:
     """Starts the builds a CPU engine will ask for; a cached build is found in moments."""
-    if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+    if not native_code_enabled():
         return
     q8_build(cache_dir)
     sentencepiece_build(cache_dir)

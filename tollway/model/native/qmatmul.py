@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tollway.model.host_memory import HugePageArena
-from tollway.model.native.build import start_build
+from tollway.model.native.build import native_code_enabled, start_build
 from tollway.checkpoint import cache_root
 
 _log = logging.getLogger(__name__)
@@ -302,7 +302,7 @@ def _bind(fn, restype, *argtypes):
 def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
     """The integer matmul built for this machine, once per process; None without a working C
     compiler (one warning line) or with TOLLWAY_NATIVE=0: the q8 kernel then runs on torch."""
-    if os.environ.get("TOLLWAY_NATIVE", "1") == "0":
+    if not native_code_enabled():
         return None
     lib = q8_build(cache_dir).result()
     return Q8Library(ctypes.CDLL(str(lib))) if lib else None
