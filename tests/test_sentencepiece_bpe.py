@@ -12,7 +12,7 @@ import tokenizers
 
 from tollway.gguf_file import GGUFFile
 from tollway.text.gguf_tokenizer import save_gguf_tokenizer
-from tollway.text.sentencepiece_bpe import SentencePieceBPE, native_tokenizer
+from tollway.model.sentencepiece_bpe import SentencePieceBPE, native_tokenizer
 from tollway.text.tokenizer import HFBackend
 
 SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>", "<mask>", "<unused7>", "<table>"]

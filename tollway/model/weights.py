@@ -28,7 +28,7 @@ from tollway.checkpoint import ModelNotFoundError, resolve_model, tokenizer_sour
 from tollway.gguf_file import GGUFFile, MappedFile
 from tollway.model.native.qmatmul import GGUF_KINDS
 from tollway.model_config import ModelConfig
-from tollway.text.sentencepiece_bpe import native_tokenizer
+from tollway.model.sentencepiece_bpe import native_tokenizer
 from tollway.text.tokenizer import Tokenizer
 
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

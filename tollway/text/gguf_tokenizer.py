@@ -7,7 +7,7 @@ the tokenizer.json for every kind it knows; the two kinds users run most are bui
 candidate merges, and byte-level BPE with a pre-tokenizer it knows (Llama 3's, Qwen's). Importing
 transformers alone took 2 s of such a model's first start.
 
-A server reads Gemma's natively instead (sentencepiece_bpe.py); these files serve the rest, and
+A server reads Gemma's natively instead (model/sentencepiece_bpe.py); these files serve the rest, and
 the clients that tokenize without a model (tollway bench).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def has_gguf_tokenizer(reader: GGUFFile) -> bool:
 
 def is_gemma_sentencepiece(fields: dict[str, Any]) -> bool:
     """Whether a GGUF's metadata holds Gemma's kind of SentencePiece tokenizer (gemma_sentencepiece,
-    sentencepiece_bpe.py)."""
+    model/sentencepiece_bpe.py)."""
     return fields.get("general.architecture") in _GEMMA and fields.get("tokenizer.ggml.model") == "llama" \
         and fields.get("tokenizer.ggml.pre") in (None, "default")
 

@@ -108,7 +108,7 @@ class Tokenizer:
 
 
 class TokenizerBackend(Protocol):
-    """What a Tokenizer encodes and decodes with: HFBackend, or sentencepiece_bpe's native one."""
+    """What a Tokenizer encodes and decodes with: HFBackend, or model/sentencepiece_bpe.py's native one."""
     vocab_size: int  # tokens, added ones included
     byte_token_ids: frozenset[int]  # byte-fallback tokens (<0x00>..<0xFF>), where it has them
     special_token_ids: frozenset[int]

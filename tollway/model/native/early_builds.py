@@ -12,7 +12,7 @@ from tollway.model.native.build import native_code_enabled
 from tollway.model.native.qmatmul import q8_build
 from tollway.model.row_ops import row_ops_build
 from tollway.model.sampling import sampling_build
-from tollway.text.sentencepiece_bpe import sentencepiece_build
+from tollway.model.sentencepiece_bpe import sentencepiece_build
 
 
 def start_native_builds(cache_dir: str | os.PathLike | None = None) -> None:
