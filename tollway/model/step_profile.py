@@ -19,14 +19,17 @@ from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import StepShape
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
-DISTINCT_SEQS = 32  # sequences with blocks of their own in a profile step
+# Sequences with blocks of their own in a profile step: each layer's keys and values of 8 of them
+# are megabytes, as of 32 (which timed the same steps alike), and a VM faults their pages in at
+# a few hundred MB/s before the profile can start (32 took 1.2 s of a 1B model's first start).
+DISTINCT_SEQS = 8
 
 
 def block_tables(sched: SchedulerConfig, context: int) -> Callable[[int], tuple[int, ...]]:
     """table(i): the i-th sequence's own blocks for `context` tokens, for the first
     DISTINCT_SEQS sequences (wrapping round the pool only past its size). Sequences sharing one
     table would find each other's keys in cache, and attention would time faster than in real
-    traffic; past DISTINCT_SEQS, the KV a step reads is many times the CPU's caches anyway, and
+    traffic; past DISTINCT_SEQS, the KV a whole step reads is past the CPU's caches anyway, and
     fresh tables would only fault in the pool's pages in the timed steps (slowly, in a VM)."""
     per_seq = -(-(context + 1) // sched.block_size)
 
@@ -50,12 +53,13 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
         return ScheduledSeq("profile", "standard", (1,) * n, start, table, True, _GREEDY)
 
     # A start's first profile is part of the wait for it: each shape once, as few as pin the
-    # step model's five features per kernel (every real step refines them after). A chunk's time
-    # is linear in its tokens and attention, so the budget's whole chunk, the longest step here,
-    # is timed only where it runs a kernel that no smaller chunk does; else half the context.
-    big = budget if sched.kernel_for(budget) != sched.kernel_for(min(128, budget)) else min(budget, context // 2)
-    # A short chunk at the start and a longer one after it: chunk tokens and attention apart.
-    chunks = [(0, big)] + [c for c in ((0, 16), (context // 2, 128)) if c[1] <= budget and sum(c) <= context]
+    # step model's five features per kernel (every real step refines them after). A short chunk at
+    # the start and a longer one after it tell chunk tokens from attention (decode steps at two
+    # contexts pin attention too); the budget's whole chunk, the longest step here, is timed only
+    # where it runs a kernel that no smaller chunk does.
+    chunks = [c for c in ((0, 16), (context // 2, 128)) if c[1] <= budget and sum(c) <= context]
+    if sched.kernel_for(budget) != sched.kernel_for(min(128, budget)) or not chunks:
+        chunks.insert(0, (0, min(budget, context)))
     plans = [plan([prefill(start, n)]) for start, n in dict.fromkeys(chunks)]
     most = min(sched.max_num_seqs, budget)
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= most} | {most})
@@ -68,7 +72,7 @@ def profile_plans(sched: SchedulerConfig) -> list[StepPlan]:
 
 def profile_key(sched: SchedulerConfig) -> str:
     """What the profile plans depend on."""
-    return (f"steps-v4|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
+    return (f"steps-v5|{sched.kernel}|{sched.int8_max_tokens}|{sched.dense_kernel}|{sched.block_size}|"
             f"{sched.max_num_seqs}|{sched.max_num_batched_tokens}|{_context(sched)}")
 
 
