@@ -6,8 +6,8 @@ first start and on the starts after it, each in one run on this machine.
 
 Each model is started from three caches (a TOLLWAY_CACHE folder each, the rest of the machine as it is):
 - an empty one: a machine's first start (the native kernels compiled too);
-- one holding only this machine's native builds: this model's first start (its tokenizer
-  converted, its steps profiled), what a user who has served another model meets;
+- one holding only this machine's native builds: this model's first start (its steps profiled,
+  its tokenizer converted unless it is Gemma's), what a user who has served another model meets;
 - the same again: the starts after it, the median of the rounds.
 The test models are benchmarks/models.py's (made there, once; a missing one is skipped with a note).
 """
@@ -103,7 +103,8 @@ def markdown(r: dict, raw: str) -> str:
         f"Measured with `{r['command']}` on {m['cpu']} ({m['cores']} cores; {', '.join(m['isa_flags'])}), "
         f"load average {m['load_average_at_start']:.1f} at the start. Raw: `{raw}`. `tollway serve` from its "
         "command to a 200 from /health: a machine's first start (an empty cache: the native kernels compile), "
-        "the model's first start (only the native builds cached: its tokenizer converted, its steps profiled), "
+        "the model's first start (only the native builds cached: its steps profiled, its tokenizer converted "
+        "where it is not Gemma's, which is read from the file at every start), "
         "and the starts after it (the median of the rounds).",
         "",
         "| model | machine's first start | model's first start | later starts (rounds) | first / later |",
