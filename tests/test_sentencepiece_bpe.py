@@ -148,3 +148,10 @@ def test_another_kind_of_vocabulary_is_left_to_the_tokenizers_library(tiny_gguf,
 
     assert SentencePieceBPE.from_gguf(GGUFFile(tiny_gguf)) is None  # Llama's SentencePiece file, not Gemma's
     assert isinstance(load_weights(tiny_gguf, cache_dir=tmp_path).load_tokenizer()._backend, HFBackend)
+
+
+def test_both_backends_refuse_a_lone_surrogate_alike(default_pair):
+    native, hf = default_pair
+    for backend in (native, HFBackend(hf)):
+        with pytest.raises(UnicodeEncodeError):
+            backend.encode("a\ud800b", True)

@@ -178,6 +178,19 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert error["message"] and error["type"] and error["param"] == param
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 3}', "prompt"),
+    ("/v1/completions", '{"prompt": ["fine", "a\\udfffb"], "max_tokens": 3}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 3}', "messages"),
+])
+def test_text_with_a_lone_surrogate_is_a_400_naming_it(server, path, body, param):
+    # JSON may escape a lone surrogate, which no UTF-8 text holds: the tokenizer cannot take it.
+    r = httpx.post(server["url"] + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not valid Unicode" in error["message"] and "\\ud" in error["message"]
+
+
 def test_chat_without_messages_is_a_400(server):
     r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

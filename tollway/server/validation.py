@@ -138,6 +138,15 @@ def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    try:
+        return _token_prompts(req, tokenizer)
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escapes parse to lone surrogates, which no UTF-8 holds
+        field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise APIError(400, f"the {field} is not valid Unicode text: {e.reason} ({e.object[e.start:e.end]!a})",
+                       param=field) from None
+
+
+def _token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
     if isinstance(req, ChatCompletionRequest):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:  # OpenAI's content parts: keep the text ones

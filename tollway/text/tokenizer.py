@@ -82,7 +82,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, BOS is prepended when the model wants it.
-        Encode a rendered chat template with add_special_tokens=False: the template writes BOS itself."""
+        Encode a rendered chat template with add_special_tokens=False: the template writes BOS itself.
+        UnicodeEncodeError for text that no UTF-8 holds (a lone surrogate)."""
         return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -136,7 +137,11 @@ class HFBackend:
         return self.hf.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the binding's word for a lone surrogate: said as the native backend says it
+            text.encode()
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
