@@ -17,7 +17,7 @@ from tollway.checkpoint import cache_root
 from tollway.gguf_file import GGUFFile
 from tollway.model.native.build import native_code_enabled, start_build
 from tollway.text.gguf_tokenizer import eos_token_ids, is_gemma_sentencepiece, tokenizer_config
-from tollway.text.tokenizer import Tokenizer
+from tollway.text.tokenizer import Tokenizer, byte_fallback_ids
 
 if TYPE_CHECKING:
     import llguidance
@@ -60,7 +60,7 @@ class SentencePieceBPE:
         self.size = n
         self._flags = np.frombuffer(ctypes.string_at(lib.spbpe_flags(self._handle), n), dtype=np.uint8)
         self.special_token_ids = frozenset(np.flatnonzero(self._flags & _SPECIAL).tolist())
-        self.byte_token_ids = frozenset(i for i in (self.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None)
+        self.byte_token_ids = byte_fallback_ids(self.token_to_id)
         # Every string once (a repeated one counts once), as `tokenizers` counts its vocabulary.
         self.vocab_size = n - int(np.count_nonzero(self._flags & _SHADOWED))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -129,8 +129,7 @@ class HFBackend:
     def __init__(self, hf: tokenizers.Tokenizer):
         self.hf = hf
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        byte_ids = (hf.token_to_id(f"<0x{b:02X}>") for b in range(256)) if getattr(hf.model, "byte_fallback", False) else ()
-        self.byte_token_ids = frozenset(i for i in byte_ids if i is not None)
+        self.byte_token_ids = byte_fallback_ids(hf.token_to_id) if getattr(hf.model, "byte_fallback", False) else frozenset()
         self.special_token_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
 
     def token_to_id(self, token: str) -> int | None:
@@ -150,6 +149,11 @@ class HFBackend:
         import llguidance  # a server's grammars use it; the bench clients that load tokenizers do not
 
         return llguidance.LLTokenizer(self.hf.to_str(), n_vocab=n_vocab, eos_token=eos_token_ids)
+
+
+def byte_fallback_ids(token_to_id: Callable[[str], int | None]) -> frozenset[int]:
+    """The ids of the byte-fallback tokens (<0x00>..<0xFF>) a vocabulary has."""
+    return frozenset(i for i in map(token_to_id, (f"<0x{b:02X}>" for b in range(256))) if i is not None)
 
 
 class IncrementalDetokenizer:
