@@ -52,11 +52,12 @@ def save_gguf_tokenizer(reader: GGUFFile, folder: Path) -> Tokenizer:
     Returns the tokenizer.json written, as a `tokenizers` object."""
     fields = reader.metadata
     architecture = fields["general.architecture"]
+    split = _byte_level_split(fields)
     if is_gemma_sentencepiece(fields):
         backend = gemma_sentencepiece(fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type") or ())
-    elif _byte_level_split(fields) is not None:
+    elif split is not None:
         backend = byte_level_bpe(fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type") or (),
-                                 fields["tokenizer.ggml.merges"], _byte_level_split(fields))
+                                 fields["tokenizer.ggml.merges"], split)
     else:
         from transformers.integrations.gguf import convert_gguf_tokenizer
         backend = _within(convert_gguf_tokenizer(architecture, _converter_fields(fields))[0],
