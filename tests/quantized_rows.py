@@ -3,12 +3,14 @@ every format passes on every path."""
 import torch
 
 
-def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in float64 as int8 values [M, K / 32, 32] with a scale per block of 32."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    qx = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)).clamp(-127, 127).double()
-    return qx, (amax / 127).double()
+def quantized_rows(x: torch.Tensor, span: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in float64 as int8 values [M, K / 32, 32] with a scale per block of 32, one scale shared by
+    each `span` values (32, or the K-quants' superblock of 256)."""
+    spans = x.view(x.shape[0], -1, span)
+    amax = spans.abs().amax(-1, keepdim=True)
+    qx = torch.round(spans * torch.where(amax > 0, 127 / amax, 0.0)).clamp(-127, 127).double()
+    scale = (amax / 127).expand(spans.shape).reshape(x.shape[0], -1, 32)[..., 0]
+    return qx.view(x.shape[0], -1, 32), scale.double()
 
 
 def check_fused_argmax(native_library, packed, x: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 def _model(gguf_type: str, blocks: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The product in float64, gguf-py's weights @ x as the kernels quantize it (int8 per block of
-    32 times a float32 scale), and the size of its terms: |x| @ each weight's parts. Q4_K's and
+    32 times a float32 scale, one per superblock of 256 for the K-quants), and the size of its terms: |x| @ each weight's parts. Q4_K's and
     Q5_K's weights, d * sc * q - dmin * m, are two parts apart (d * sc * q + dmin * m: its dmin negated, d and dmin
     being positive), which the kernels and gguf-py each round in float32."""
     qtype = GGMLQuantizationType[gguf_type]
@@ -52,7 +52,7 @@ def _model(gguf_type: str, blocks: np.ndarray, x: torch.Tensor) -> tuple[np.ndar
         parts = dequantize(flipped.reshape(blocks.shape), qtype).astype(np.float64)
     else:
         parts = np.abs(w)
-    qx, xs = quantized_rows(x)
+    qx, xs = quantized_rows(x, span=LAYOUTS[gguf_type][0])  # the K-quants' activations: a scale per superblock
     xd = (qx * xs.unsqueeze(-1)).reshape(m, k).numpy()
     return xd @ w.T, np.abs(xd) @ parts.T
 

@@ -53,6 +53,7 @@ all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h)
 #endif
 
 #define QBLOCK 32
+#define SUPERBLOCK 256                  /* the K-quants' values per d */
 #define TILE 16                         /* output rows per tile */
 #define GROUPS (QBLOCK / 4)             /* 4-byte groups per block */
 #define BLOCK_BYTES (TILE * QBLOCK)     /* weight bytes of one tile and block */
@@ -428,7 +429,8 @@ GGUF_PACKER(q5)
 
 /* ---- activations: per row and block, int8 values, a float scale, and -128 * their sum ----
    Stored in groups of MAX_ROWS rows, block-major within a group, so a kernel finds block b of
-   row r at a fixed offset from the group: values at XQ(b, r), scale and offset at XS(b, r). */
+   row r at a fixed offset from the group: values at XQ(b, r), scale and offset at XS(b, r). A
+   scale spans `span` blocks (1, or a superblock's 8 for the K-quants), each of them holding it. */
 
 #define XQ(b, r) (((b) * MAX_ROWS + (r)) * QBLOCK)
 #define XS(b, r) ((b) * MAX_ROWS + (r))
@@ -438,30 +440,35 @@ GGUF_PACKER(q5)
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void quantize_row(const float *restrict x, int64_t nb, int8_t *restrict q, float *restrict scale,
-                         int32_t *restrict offset) {
-    for (int64_t b = 0; b < nb; b++) {
-        const float *src = x + b * QBLOCK;
+static void quantize_row(const float *restrict x, int64_t nb, int64_t span, int8_t *restrict q,
+                         float *restrict scale, int32_t *restrict offset) {
+    for (int64_t b0 = 0; b0 < nb; b0 += span) {
         /* |v| as bits orders like |v|, and an integer max reduction vectorizes where a float one
            (NaN rules) does not. */
-        uint32_t bits[QBLOCK], top = 0;
-        memcpy(bits, src, sizeof bits);
-        for (int i = 0; i < QBLOCK; i++) {
-            uint32_t a = bits[i] & 0x7fffffff;
-            top = a > top ? a : top;
+        uint32_t top = 0;
+        for (int64_t b = b0; b < b0 + span; b++) {
+            uint32_t bits[QBLOCK];
+            memcpy(bits, x + b * QBLOCK, sizeof bits);
+            for (int i = 0; i < QBLOCK; i++) {
+                uint32_t a = bits[i] & 0x7fffffff;
+                top = a > top ? a : top;
+            }
         }
         float amax;
         memcpy(&amax, &top, 4);
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < QBLOCK; i++) {
-            float v = round_even(src[i] * inv);
-            int8_t qi = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
-            q[XQ(b, 0) + i] = qi;
-            sum += qi;
+        for (int64_t b = b0; b < b0 + span; b++) {
+            const float *src = x + b * QBLOCK;
+            int32_t sum = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                float v = round_even(src[i] * inv);
+                int8_t qi = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+                q[XQ(b, 0) + i] = qi;
+                sum += qi;
+            }
+            scale[XS(b, 0)] = amax / 127.0f;
+            offset[XS(b, 0)] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
         }
-        scale[XS(b, 0)] = amax / 127.0f;
-        offset[XS(b, 0)] = -128 * sum;  /* undoes the +128 of the u8 weights in the VNNI paths */
     }
 }
 
@@ -471,17 +478,22 @@ static void quantize_row(const float *restrict x, int64_t nb, int8_t *restrict q
    (the product rounded before the shift that rounds it to an integer, no fused multiply-add), so
    the same bits; a NaN becomes 0 here as in the C body's conversion. */
 __attribute__((target("avx512f,avx512bw")))
-static void quantize_row_avx512(const float *restrict x, int64_t nb, int8_t *restrict q, float *restrict scale,
-                                int32_t *restrict offset) {
+static void quantize_row_avx512(const float *restrict x, int64_t nb, int64_t span, int8_t *restrict q,
+                                float *restrict scale, int32_t *restrict offset) {
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
     const __m512 shift = _mm512_set1_ps(12582912.0f), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    float amax = 0.0f;
+    __m512 inv = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512 v[2] = {_mm512_loadu_ps(x + b * QBLOCK), _mm512_loadu_ps(x + b * QBLOCK + 16)};
-        uint32_t top = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(v[0]), magnitude),
-                                                                _mm512_and_si512(_mm512_castps_si512(v[1]), magnitude)));
-        float amax;
-        memcpy(&amax, &top, 4);
-        __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        if (b % span == 0) {
+            __m512i top = _mm512_setzero_si512();
+            for (int64_t i = b * 2; i < (b + span) * 2; i++)
+                top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_loadu_si512(x + i * 16), magnitude));
+            uint32_t bits = _mm512_reduce_max_epu32(top);
+            memcpy(&amax, &bits, 4);
+            inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        }
         __m512i sum = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512 p = _mm512_mul_ps(v[h], inv);
@@ -503,24 +515,26 @@ static void quantize_row_avx512(const float *restrict x, int64_t nb, int8_t *res
    times its block's inverse scale, 0), converted to INT_MIN, is set to 0 first as the C body leaves
    it: at -128 it turned that row's NaN outputs into infinities. */
 __attribute__((target("avx2")))
-static void quantize_row_avx2(const float *restrict x, int64_t nb, int8_t *restrict q, float *restrict scale,
-                              int32_t *restrict offset) {
+static void quantize_row_avx2(const float *restrict x, int64_t nb, int64_t span, int8_t *restrict q,
+                              float *restrict scale, int32_t *restrict offset) {
     const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256 shift = _mm256_set1_ps(12582912.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    float amax = 0.0f;
+    __m256 inv = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[4];
-        __m256i top = _mm256_setzero_si256();
-        for (int h = 0; h < 4; h++) {
-            v[h] = _mm256_loadu_ps(x + b * QBLOCK + h * 8);
-            top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[h]), magnitude));
+        for (int h = 0; h < 4; h++) v[h] = _mm256_loadu_ps(x + b * QBLOCK + h * 8);
+        if (b % span == 0) {
+            __m256i top = _mm256_setzero_si256();
+            for (int64_t i = b * 4; i < (b + span) * 4; i++)
+                top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i * 8)), magnitude));
+            __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+            t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0xb1));
+            uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
+            memcpy(&amax, &bits, 4);
+            inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         }
-        __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-        t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_max_epu32(t, _mm_shuffle_epi32(t, 0xb1));
-        uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
-        float amax;
-        memcpy(&amax, &bits, 4);
-        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i ints[4], sum = _mm256_setzero_si256();
         for (int h = 0; h < 4; h++) {
             __m256 p = _mm256_mul_ps(v[h], inv);
@@ -548,6 +562,7 @@ typedef struct {
     float *xs;
     int32_t *xo;
     int isa;  /* the SIMD paths quantize with their own quantize_row: the bits tests then compare them all */
+    int64_t span;  /* blocks per scale */
 } quantize_job;
 
 static void quantize_part(void *ctx, int part, int parts) {
@@ -555,12 +570,12 @@ static void quantize_part(void *ctx, int part, int parts) {
     int64_t nb = j->k / QBLOCK;
     for (int64_t r = j->m * part / parts; r < j->m * (part + 1) / parts; r++) {  /* row r % MAX_ROWS of its group */
         int64_t group = r / MAX_ROWS * MAX_ROWS, i = r % MAX_ROWS;
-        void (*quantize)(const float *, int64_t, int8_t *, float *, int32_t *) = quantize_row;
+        void (*quantize)(const float *, int64_t, int64_t, int8_t *, float *, int32_t *) = quantize_row;
 #if defined(__x86_64__)
         if (j->isa == ISA_AVX512VNNI) quantize = quantize_row_avx512;
         if (j->isa == ISA_AVX2 || j->isa == ISA_AVXVNNI) quantize = quantize_row_avx2;
 #endif
-        quantize(j->x + r * j->ldx, nb, j->xq + group * j->k + i * QBLOCK, j->xs + group * nb + i, j->xo + group * nb + i);
+        quantize(j->x + r * j->ldx, nb, j->span, j->xq + group * j->k + i * QBLOCK, j->xs + group * nb + i, j->xo + group * nb + i);
     }
 }
 
@@ -629,7 +644,6 @@ static void tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, con
 }
 
 /* xo holds -128 * the block's sum of quantized activations (for q8's +128 weights): q4 wants the sum. */
-static inline float xsum_of(int32_t xo) { return (float)(xo / -128); }
 
 static void q5_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
                              int rows, float *out, const char *ahead, int64_t ahead_step) {
@@ -1014,6 +1028,9 @@ typedef struct {
     int unsigned_activations;
     /* NULL, or a pass after quantizing that rewrites xo as the format's kernels take it (q6k) */
     void (*activation_sums)(const int8_t *xq, int32_t *xo, int64_t m, int64_t k, int threads);
+    /* 1: the activations take one scale per SUPERBLOCK values, as the K-quants' kernels sum a
+       superblock in integers before its one float step; 0: one per block of QBLOCK */
+    int superblock_scales;
 } format;
 
 static tile_kernel q8_kernel_for(int isa) {
@@ -1233,13 +1250,13 @@ static size_t quantized_bytes(const format *f, int64_t m, int64_t k) {
 }
 
 /* The quantized activations at `at`: xs and xo, [padded rows][nb] each, then xq. */
-static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, void *at, int8_t **xq, float **xs,
-                          int32_t **xo, int isa, int threads) {
+static void quantize_rows(const format *f, const float *x, int64_t ldx, int64_t m, int64_t k, void *at, int8_t **xq,
+                          float **xs, int32_t **xo, int isa, int threads) {
     int64_t padded = padded_rows(m), nb = k / QBLOCK;
     *xs = at;
     *xo = (int32_t *)(*xs + padded * nb);
     *xq = (int8_t *)(*xo + padded * nb);
-    quantize_job q = {x, ldx, m, k, *xq, *xs, *xo, isa};
+    quantize_job q = {x, ldx, m, k, *xq, *xs, *xo, isa, f->superblock_scales ? SUPERBLOCK / QBLOCK : 1};
     if (m * k >= QUANTIZE_PARALLEL)
         run_parallel(threads, quantize_part, &q);
     else
@@ -1274,7 +1291,7 @@ static int run_matmul(const format *f, const float *x, int64_t ldx, int64_t m, i
     int8_t *xq;
     float *xs;
     int32_t *xo;
-    quantize_rows(x, ldx, m, k, best_col + (y ? 0 : ranges * m * TILE), &xq, &xs, &xo, isa, threads);
+    quantize_rows(f, x, ldx, m, k, best_col + (y ? 0 : ranges * m * TILE), &xq, &xs, &xo, isa, threads);
     if (f->activation_sums) f->activation_sums(xq, xo, m, k, threads);
     int64_t row_chunk = row_chunk_for(k);
     matmul_job j = {f->kernel_for(isa), f->small_kernel_for(isa), packed + tiles * f->tile_bytes(k), f->tile_bytes(k),

@@ -340,7 +340,7 @@ int64_t q8_matmul_argmax_pruned(const float *x, int64_t ldx, int64_t m, int64_t 
     int8_t *xq;
     float *xs;
     int32_t *xo;
-    quantize_rows(x, ldx, m, k, xa + padded * nb, &xq, &xs, &xo, isa, threads);
+    quantize_rows(&Q8, x, ldx, m, k, xa + padded * nb, &xq, &xs, &xo, isa, threads);
     const int8_t *xu = unsigned_activations(xq, m, k);
     for (int64_t i = 0; i < ranges * m; i++) range_floor[i] = dropped[i] = -INFINITY, counts[i] = 0;
     for (int64_t r = 0; r < m; r++) atomic_init(&floor[r], -INFINITY);

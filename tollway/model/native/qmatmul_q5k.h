@@ -1,41 +1,32 @@
 /* q5k: a GGUF's Q5_K weights in 5.625 bits, laid out for qmatmul.c's kernels. Included by qmatmul.c
 after its formats' common parts (tiles of 16 output rows, blocks of 32 along K, the activations, the
-prefetching and the row switches) and after qmatmul_q4k.h, whose scales it shares.
+prefetching and the row switches) and after qmatmul_q4k.h, whose superblock head, sums and float
+step it shares.
 
 Q5_K keeps superblocks of 256 values: an fp16 d and dmin, 12 bytes of 6-bit scales sc and mins m per
 block of 32 (packed as Q4_K's), 32 bytes of fifth bits (bit j of byte i: value i of block j), and 128
 bytes of low nibbles (as Q4_K's): w = d * sc * q - dmin * m with q in 0..31. Here a tile keeps q4k's
-layout with q5's fifth-bit plane in each block: per superblock its 16 rows' d and dmin, then per
-block the nibbles as q5 keeps them (4 chunks of 64 bytes, chunk p holding groups p and p + 4 as low
-and high nibbles, 16 rows x 4 bytes), the fifth bits (64 bytes: bit g of byte j is the fifth bit of
-byte j of group g's 64 bytes, the 16-rows-x-4-bytes order), then the 16 rows' sc and m as bytes:
+layout with q5's fifth-bit plane in each block: per superblock q4k's head (its 16 rows' d and dmin,
+the m pairs), then per block the nibbles as q5 keeps them (4 chunks of 64 bytes, chunk p holding
+groups p and p + 4 as low and high nibbles, 16 rows x 4 bytes), the fifth bits (64 bytes: bit g of
+byte j is the fifth bit of byte j of group g's 64 bytes, the 16-rows-x-4-bytes order), then the 16
+rows' sc as bytes:
 
-    tile t: [K / 256] x ([16] fp16 d, [16] fp16 dmin, [8] x ([4][16][4] u8 nibble pairs, [64] u8 fifth bits,
-                                                            [16] u8 sc, [16] u8 m))
+    tile t: [K / 256] x ([16] fp16 d, [16] fp16 dmin, [4][16][2] u8 m, [8] x ([4][16][4] u8 nibble pairs,
+                                                                          [64] u8 fifth bits, [16] u8 sc))
 
 5.625 bits a weight against the file's 5.5 (its 12 bytes of packed 6-bit scales become 16 bytes).
-Every path sums as q4k's do: scale = d * sc and min = dmin * m in float32, then acc = fma(scale *
-(float)isum - min * (float)xsum, xscale, acc), with isum = dot(q, xq) exact in integers and xsum the
-block's sum of quantized activations. */
+Every path sums a superblock as q4k's do, in integers (|S| < 2^26), then one float step. */
 
 #define Q5K_SUPER 256                                   /* values per superblock */
 #define Q5K_BLOCKS (Q5K_SUPER / QBLOCK)                 /* blocks per superblock */
-#define Q5K_HEAD (TILE * 4)                             /* a tile's d and dmin of one superblock */
-#define Q5K_BLOCK_BYTES (Q4_NIBBLES + Q5_HIGH + TILE * 2)  /* nibbles, fifth bits, then sc and m */
-#define Q5K_SUPER_BYTES (Q5K_HEAD + Q5K_BLOCKS * Q5K_BLOCK_BYTES)
+#define Q5K_BLOCK_BYTES (Q4_NIBBLES + Q5_HIGH + TILE)   /* nibbles, fifth bits, then sc */
+#define Q5K_SUPER_BYTES (KMIN_HEAD + Q5K_BLOCKS * Q5K_BLOCK_BYTES)
 #define Q5_K_BYTES 176  /* the file's superblock: d, dmin, 12 bytes of scales, 32 of fifth bits, 128 of nibbles */
 
 static int64_t q5k_tile_bytes(int64_t k) { return k / Q5K_SUPER * Q5K_SUPER_BYTES; }
 
 int64_t q5k_packed_bytes(int64_t n, int64_t k) { return (n + TILE - 1) / TILE * q5k_tile_bytes(k); }
-
-/* Where block b's nibbles start in a tile, and its superblock's d. */
-static inline const uint8_t *q5k_block(const uint8_t *tile, int64_t b) {
-    return tile + b / Q5K_BLOCKS * Q5K_SUPER_BYTES + Q5K_HEAD + b % Q5K_BLOCKS * Q5K_BLOCK_BYTES;
-}
-static inline const uint16_t *q5k_head(const uint8_t *tile, int64_t b) {
-    return (const uint16_t *)(tile + b / Q5K_BLOCKS * Q5K_SUPER_BYTES);
-}
 
 /* Q5_K rows (n rows of k / 256 superblocks) -> tiles t0..t1 of q5k (q5k_packed_bytes(n, k) bytes at out). */
 static void q5k_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out, int64_t t0, int64_t t1) {
@@ -45,13 +36,14 @@ static void q5k_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t 
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *super = out + t * q5k_tile_bytes(k) + s * Q5K_SUPER_BYTES;
             uint16_t *d = (uint16_t *)super, *dmin = d + TILE;
+            uint8_t *mins = super + TILE * 4;
             for (int r = 0; r < TILE && t * TILE + r < n; r++) {
                 const uint8_t *src = blocks + ((t * TILE + r) * supers + s) * Q5_K_BYTES;
                 const uint8_t *scales = src + 4, *qh = src + 16, *qs = src + 48;
                 d[r] = read_u16(src);
                 dmin[r] = read_u16(src + 2);
                 for (int j = 0; j < Q5K_BLOCKS; j++) {
-                    uint8_t *block = super + Q5K_HEAD + j * Q5K_BLOCK_BYTES, *high = block + Q4_NIBBLES;
+                    uint8_t *block = super + KMIN_HEAD + j * Q5K_BLOCK_BYTES, *high = block + Q4_NIBBLES;
                     /* block j is the low (j even) or high nibbles of the file's 32 bytes j / 2, its
                        fifth bits bit j of the 32 bytes qh */
                     const uint8_t *nibbles = qs + j / 2 * 32;
@@ -62,7 +54,7 @@ static void q5k_pack_tiles(const uint8_t *blocks, int64_t n, int64_t k, uint8_t 
                     }
                     for (int i = 0; i < QBLOCK; i++)  /* value i is byte r * 4 + i % 4 of group i / 4 */
                         high[r * 4 + i % 4] |= (uint8_t)(((qh[i] >> j) & 1) << (i / 4));
-                    q4_k_scale_min(scales, j, block + Q4_NIBBLES + Q5_HIGH + r, block + Q4_NIBBLES + Q5_HIGH + TILE + r);
+                    q4_k_scale_min(scales, j, block + Q4_NIBBLES + Q5_HIGH + r, mins + (j / 2) * TILE * 2 + r * 2 + j % 2);
                 }
             }
         }
@@ -75,22 +67,23 @@ static void q5k_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq,
     (void)ahead, (void)ahead_step;
     for (int r = 0; r < rows; r++) {
         float acc[TILE] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *w = q5k_block(tile, b), *high = w + Q4_NIBBLES, *sc = high + Q5_HIGH, *m = sc + TILE;
-            const uint16_t *d = q5k_head(tile, b), *dmin = d + TILE;
-            const int8_t *x = xq + XQ(b, r);
-            float xsum = xsum_of(xo[XS(b, r)]);
-            for (int lane = 0; lane < TILE; lane++) {
-                int32_t isum = 0;
-                for (int i = 0; i < QBLOCK; i++) {
-                    int g = i / 4, at = lane * 4 + i % 4;
-                    int nibble = (w[(g % 4) * Q4_CHUNK + at] >> (g < 4 ? 0 : 4)) & 15;
-                    isum += (nibble | ((high[at] >> g) & 1) << 4) * x[i];
+        for (int64_t b0 = 0; b0 < nb; b0 += Q5K_BLOCKS) {
+            const uint8_t *head = kmin_head(tile, b0 / Q5K_BLOCKS, Q5K_SUPER_BYTES);
+            int32_t s[TILE] = {0};
+            for (int j = 0; j < Q5K_BLOCKS; j++) {
+                const uint8_t *w = head + KMIN_HEAD + j * Q5K_BLOCK_BYTES, *high = w + Q4_NIBBLES, *sc = high + Q5_HIGH;
+                const int8_t *x = xq + XQ(b0 + j, r);
+                for (int lane = 0; lane < TILE; lane++) {
+                    int32_t isum = 0;
+                    for (int i = 0; i < QBLOCK; i++) {
+                        int g = i / 4, at = lane * 4 + i % 4;
+                        int nibble = (w[(g % 4) * Q4_CHUNK + at] >> (g < 4 ? 0 : 4)) & 15;
+                        isum += (nibble | ((high[at] >> g) & 1) << 4) * x[i];
+                    }
+                    s[lane] += sc[lane] * isum;
                 }
-                float scale = half_to_float(d[lane]) * (float)sc[lane], min = half_to_float(dmin[lane]) * (float)m[lane];
-                float t = scale * (float)isum - min * xsum;
-                acc[lane] = fmaf(t, xs[XS(b, r)], acc[lane]);
             }
+            kmin_portable_super(head, s, xo + r, xs + r, b0, acc);
         }
         memcpy(out + r * TILE, acc, sizeof acc);
     }
@@ -100,56 +93,50 @@ static void q5k_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq,
 
 /* q5k on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
 0..31, the u8 operand of vpmaddubsw: a pair is at most 2 * 31 * 128 = 7936, so four groups' pairs
-sum in int16 (31744 < 32767), and one vpmaddwd per four groups widens them (q5's SMALL_Q5 way, without
-its offset). Both halves of the tile at once, for up to 3 rows. */
+sum in int16 (31744 < 32767), and one vpmaddwd per four groups widens them times the block's sc (q5's
+SMALL_Q5 way, without its offset). Both halves of the tile at once, for up to 3 rows. */
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void q5k_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                  const float *xs, const int32_t *xo, int r0, float *out,
                                                                  const char *ahead, int64_t ahead_step, const int n) {
-    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
-    __m256 acc[3][2];
-    UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = q5k_block(tile, b);
-        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
-        __m256i isum[3][2];
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* the low nibbles' groups, then the high ones' */
-            __m256i sum16[3][2];
-            UNROLLED for (int g = g0; g < g0 + 4; g++) {
-                __m256i u[2];
+    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+    memset(out + r0 * TILE, 0, (size_t)n * TILE * sizeof(float));
+    for (int64_t b0 = 0; b0 < nb; b0 += Q5K_BLOCKS) {
+        const uint8_t *head = kmin_head(tile, b0 / Q5K_BLOCKS, Q5K_SUPER_BYTES);
+        __m256i s[3][2];
+        UNROLLED for (int r = 0; r < n; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < Q5K_BLOCKS; j++) {
+            const int64_t b = b0 + j;
+            const uint8_t *w = head + KMIN_HEAD + j * Q5K_BLOCK_BYTES;
+            if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
+            UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 4) {  /* the low nibbles' groups, then the high ones' */
+                __m256i sum16[3][2];
+                UNROLLED for (int g = g0; g < g0 + 4; g++) {
+                    __m256i u[2];
+                    UNROLLED for (int h = 0; h < 2; h++) {
+                        __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + h * 32));
+                        __m256i high = _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + h * 32));
+                        __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
+                        __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
+                        u[h] = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
+                    }
+                    UNROLLED for (int r = 0; r < n; r++) {
+                        __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
+                        __m256i p0 = _mm256_maddubs_epi16(u[0], x), p1 = _mm256_maddubs_epi16(u[1], x);
+                        sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
+                        sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
+                        KEEP_IN_REGISTER(sum16[r][0]);
+                        KEEP_IN_REGISTER(sum16[r][1]);
+                    }
+                }
                 UNROLLED for (int h = 0; h < 2; h++) {
-                    __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + h * 32));
-                    __m256i high = _mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + h * 32));
-                    __m256i nibbles = g < 4 ? pairs : _mm256_srli_epi16(pairs, 4);
-                    __m256i bit = g < 4 ? _mm256_slli_epi16(high, 4 - g) : _mm256_srli_epi16(high, g - 4);
-                    u[h] = _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(bit, fifth));
-                }
-                UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                    __m256i p0 = _mm256_maddubs_epi16(u[0], x), p1 = _mm256_maddubs_epi16(u[1], x);
-                    sum16[r][0] = g == g0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                    sum16[r][1] = g == g0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                    KEEP_IN_REGISTER(sum16[r][0]);
-                    KEEP_IN_REGISTER(sum16[r][1]);
+                    __m256i sc = kmin_scales_avx2(w + Q4_NIBBLES + Q5_HIGH, h);
+                    UNROLLED for (int r = 0; r < n; r++) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(sum16[r][h], sc));
                 }
             }
-            UNROLLED for (int r = 0; r < n; r++)
-                for (int h = 0; h < 2; h++) {
-                    __m256i wide = _mm256_madd_epi16(sum16[r][h], ones);
-                    isum[r][h] = g0 == 0 ? wide : _mm256_add_epi32(isum[r][h], wide);
-                }
         }
-        UNROLLED for (int h = 0; h < 2; h++) {
-            __m256 ws, wm;
-            kmin_scales_avx2(q5k_block(tile, b) + Q4_NIBBLES + Q5_HIGH, q5k_head(tile, b), h, &ws, &wm);
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256 t = _mm256_sub_ps(_mm256_mul_ps(ws, _mm256_cvtepi32_ps(isum[r][h])),
-                                         _mm256_mul_ps(wm, _mm256_set1_ps(xsum_of(xo[XS(b, r0 + r)]))));
-                acc[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(xs[XS(b, r0 + r)]), acc[r][h]);
-            }
-        }
+        kmin_avx2_super(head, s, xs, xo, b0, r0, out, n);
     }
-    store_rows(out, acc, r0, n);
 }
 
 __attribute__((target("avx2,fma,f16c")))
@@ -160,7 +147,7 @@ static void q5k_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, con
 }
 
 /* q5k on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles, each with
-   its fifth bits or-ed in at bit 4 (q5's way). */
+   its fifth bits or-ed in at bit 4 (q5's way); a block's sums times its sc add up S, as q4k's. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q5k_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                     const float *xs, const int32_t *xo, const int rows,
@@ -168,31 +155,33 @@ static inline __attribute__((always_inline)) void q5k_vnni512_rows(const uint8_t
     const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
     __m512 acc[MAX_ROWS];
     UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    __m512 d = _mm512_setzero_ps(), dmin = d;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = q5k_block(tile, b);
-        const int8_t *x = xq + XQ(b, 0);
-        prefetch_ahead(ahead, ahead_step, b);
-        if (b % Q5K_BLOCKS == 0) {
-            const uint16_t *head = q5k_head(tile, b);
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
-            dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + TILE)));
-        }
-        const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
-        __m512i isum[MAX_ROWS];
-        UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-            __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
-                                         _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
-            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
-                                         _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
-            UNROLLED for (int r = 0; r < rows; r++) {
-                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+    for (int64_t b0 = 0; b0 < nb; b0 += Q5K_BLOCKS) {
+        const uint8_t *head = kmin_head(tile, b0 / Q5K_BLOCKS, Q5K_SUPER_BYTES);
+        __m512i s[MAX_ROWS];
+        UNROLLED for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+        for (int j = 0; j < Q5K_BLOCKS; j++) {
+            const int64_t b = b0 + j;
+            const uint8_t *w = head + KMIN_HEAD + j * Q5K_BLOCK_BYTES;
+            const int8_t *x = xq + XQ(b, 0);
+            prefetch_ahead(ahead, ahead_step, b);
+            const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
+            __m512i isum[MAX_ROWS];
+            UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
+            UNROLLED for (int p = 0; p < 4; p++) {
+                __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+                __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
+                                             _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
+                __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
+                                             _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
+                UNROLLED for (int r = 0; r < rows; r++) {
+                    isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
+                    isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+                }
             }
+            __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + Q4_NIBBLES + Q5_HIGH)));
+            UNROLLED for (int r = 0; r < rows; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(isum[r], sc));
         }
-        kmin_add_block512(acc, isum, d, dmin, w + Q4_NIBBLES + Q5_HIGH, xs, xo, b, rows);
+        kmin_vnni512_super(head, acc, s, xs, xo, b0, rows);
     }
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
@@ -211,4 +200,4 @@ static tile_kernel q5k_kernel_for(int isa) {
     return q5k_tile_portable;
 }
 
-static const format Q5K = {q5k_tile_bytes, q5k_kernel_for, no_small_kernel, 0};
+static const format Q5K = {q5k_tile_bytes, q5k_kernel_for, no_small_kernel, 0, kmin_pair_sums, 1};

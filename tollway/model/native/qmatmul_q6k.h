@@ -12,12 +12,14 @@ low nibbles) and sc1 (values 16..31, their high nibbles):
 
     tile t: [K / 256] x ([16] fp16 d, [8] x ([4][16][4] u8 nibble pairs, [2][16][4] u8 high bits, [16][2] s8 sc))
 
-3360 bytes per 16 x 256 weights: 6.5625 bits a weight, the file's own. A block's integer sum is exact
-in every path, isum = sc0 * dot(q - 32, x[0:16]) + sc1 * dot(q - 32, x[16:32]) (|isum| < 2^24), and
-every path sums acc = fma((float)isum, d * xscale, acc), as q8 and q5 do. The -32 takes each half
-block's sum of quantized activations: a pass after quantizing (q6k_half_sums, the format's
-activation_sums) writes them, negated, as two int16 into xo's slot of the block (low: values 0..15,
-high: 16..31), in place of q8's -128 x the block's sum. */
+3360 bytes per 16 x 256 weights: 6.5625 bits a weight, the file's own. The activations take one
+scale xs per superblock (the format's superblock_scales), so a superblock sums in integers, exactly,
+on every path: S = sum over its blocks of sc0 * dot(q - 32, x[0:16]) + sc1 * dot(q - 32, x[16:32])
+(each block within 2^24, S and every partial sum within 2^29), and meets floats once: acc =
+fma((float)S, d * xs, acc). The -32 takes each half block's sum of quantized activations: a pass
+after quantizing (q6k_half_sums, the format's activation_sums) writes them, negated, as two int16
+into xo's slot of the block (low: values 0..15, high: 16..31), in place of q8's -128 x the block's
+sum. */
 
 #define Q6K_SUPER 256                                   /* values per superblock */
 #define Q6K_BLOCKS (Q6K_SUPER / QBLOCK)                 /* blocks per superblock */
@@ -125,22 +127,26 @@ static void q6k_tile_portable(const uint8_t *tile, int64_t nb, const int8_t *xq,
     (void)xo, (void)ahead, (void)ahead_step;  /* the half sums come from the values themselves here */
     for (int r = 0; r < rows; r++) {
         float acc[TILE] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *w = q6k_block(tile, b), *high = w + Q4_NIBBLES;
-            const int8_t *sc = (const int8_t *)(high + Q6K_HIGH);
-            const uint16_t *d = q6k_head(tile, b);
-            const int8_t *x = xq + XQ(b, r);
-            for (int lane = 0; lane < TILE; lane++) {
-                int32_t half[2] = {0, 0};
-                for (int i = 0; i < QBLOCK; i++) {
-                    int g = i / 4, at = lane * 4 + i % 4;
-                    int q = ((w[(g % 4) * Q4_CHUNK + at] >> (4 * (g / 4))) & 15) |
-                            ((high[(g / 4) * Q4_CHUNK + at] >> (2 * (g % 4))) & 3) << 4;
-                    half[g / 4] += (q - Q6K_OFFSET) * x[i];
+        for (int64_t b0 = 0; b0 < nb; b0 += Q6K_BLOCKS) {
+            int32_t s[TILE] = {0};
+            for (int64_t b = b0; b < b0 + Q6K_BLOCKS; b++) {
+                const uint8_t *w = q6k_block(tile, b), *high = w + Q4_NIBBLES;
+                const int8_t *sc = (const int8_t *)(high + Q6K_HIGH);
+                const int8_t *x = xq + XQ(b, r);
+                for (int lane = 0; lane < TILE; lane++) {
+                    int32_t half[2] = {0, 0};
+                    for (int i = 0; i < QBLOCK; i++) {
+                        int g = i / 4, at = lane * 4 + i % 4;
+                        int q = ((w[(g % 4) * Q4_CHUNK + at] >> (4 * (g / 4))) & 15) |
+                                ((high[(g / 4) * Q4_CHUNK + at] >> (2 * (g % 4))) & 3) << 4;
+                        half[g / 4] += (q - Q6K_OFFSET) * x[i];
+                    }
+                    s[lane] += sc[lane * 2] * half[0] + sc[lane * 2 + 1] * half[1];
                 }
-                int32_t isum = sc[lane * 2] * half[0] + sc[lane * 2 + 1] * half[1];
-                acc[lane] = fmaf((float)isum, half_to_float(d[lane]) * xs[XS(b, r)], acc[lane]);
             }
+            const uint16_t *d = q6k_head(tile, b0);
+            for (int lane = 0; lane < TILE; lane++)
+                acc[lane] = fmaf((float)s[lane], half_to_float(d[lane]) * xs[XS(b0, r)], acc[lane]);
         }
         memcpy(out + r * TILE, acc, sizeof acc);
     }
@@ -177,36 +183,40 @@ static inline __attribute__((always_inline)) void q6k_avx2_rows(const uint8_t *t
                                                                  const char *ahead, int64_t ahead_step, const int n) {
     __m256 acc[3][2];
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = q6k_block(tile, b);
-        const uint8_t *scales = w + Q4_NIBBLES + Q6K_HIGH;
-        if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
+    for (int64_t b0 = 0; b0 < nb; b0 += Q6K_BLOCKS) {
         __m256i isum[3][2];
-        UNROLLED for (int h = 0; h < 2; h++) {
-            /* lane j: (sc0, sc1) of row 8 h + j as int16 */
-            __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
-            UNROLLED for (int r = 0; r < n; r++) {
-                isum[r][h] = _mm256_slli_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi32(xo[XS(b, r0 + r)])), 5);
-                KEEP_IN_REGISTER(isum[r][h]);
-            }
-        }
-        UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 2) {  /* groups 0..3: sub-block 0, 4..7: sub-block 1 */
+        UNROLLED for (int r = 0; r < n; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        for (int64_t b = b0; b < b0 + Q6K_BLOCKS; b++) {
+            const uint8_t *w = q6k_block(tile, b);
+            const uint8_t *scales = w + Q4_NIBBLES + Q6K_HIGH;
+            if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
             UNROLLED for (int h = 0; h < 2; h++) {
-                /* each column's sc0 (groups 0..3) or sc1 (4..7) in both int16 of its lane */
+                /* lane j: (sc0, sc1) of row 8 h + j as int16 */
                 __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
-                __m256i scale = g0 < 4 ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xa0), 0xa0)
-                                       : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xf5), 0xf5);
-                __m256i w0 = q6k_group_avx2(w, g0, h * 32), w1 = q6k_group_avx2(w, g0 + 1, h * 32);
                 UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x0 = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g0 * 4));
-                    __m256i x1 = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g0 * 4 + 4));
-                    __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
-                    isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(sum16, scale));
+                    __m256i offset = _mm256_madd_epi16(pairs, _mm256_set1_epi32(xo[XS(b, r0 + r)]));
+                    isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_slli_epi32(offset, 5));
                     KEEP_IN_REGISTER(isum[r][h]);
                 }
             }
+            UNROLLED for (int g0 = 0; g0 < GROUPS; g0 += 2) {  /* groups 0..3: sub-block 0, 4..7: sub-block 1 */
+                UNROLLED for (int h = 0; h < 2; h++) {
+                    /* each column's sc0 (groups 0..3) or sc1 (4..7) in both int16 of its lane */
+                    __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scales + h * 16)));
+                    __m256i scale = g0 < 4 ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xa0), 0xa0)
+                                           : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xf5), 0xf5);
+                    __m256i w0 = q6k_group_avx2(w, g0, h * 32), w1 = q6k_group_avx2(w, g0 + 1, h * 32);
+                    UNROLLED for (int r = 0; r < n; r++) {
+                        __m256i x0 = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g0 * 4));
+                        __m256i x1 = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g0 * 4 + 4));
+                        __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+                        isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(sum16, scale));
+                        KEEP_IN_REGISTER(isum[r][h]);
+                    }
+                }
+            }
         }
-        add_block(acc, isum, q6k_head(tile, b), xs, b, r0, n);
+        add_block(acc, isum, q6k_head(tile, b0), xs, b0, r0, n);
     }
     store_rows(out, acc, r0, n);
 }
@@ -219,52 +229,53 @@ static void q6k_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, con
 }
 
 /* q6k on AVX512-VNNI: each 64-byte chunk gives two groups, its low nibbles (sub-block 0) and its high
-   ones (sub-block 1), each or-ed with its high bits; a row's two sub-blocks sum apart, from -32 s0
-   and -32 s1, and meet in float: sc0 * isum0 + sc1 * isum1 is exact there (each product within
-   2^23, their sum within 2^24), so (float)isum as every path has it. */
+   ones (sub-block 1), each or-ed with its high bits; a row's two sub-blocks sum apart, and S takes
+   each times its scale (vpmulld), and -32 (sc0 s0 + sc1 s1) in one vpdpwssd of the (32 sc0, 32 sc1)
+   pairs with the row's (-s0, -s1). The float outputs wait in `out` between superblocks. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q6k_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                     const float *xs, const int32_t *xo, const int rows,
                                                                     float *out, const char *ahead, int64_t ahead_step) {
     const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
-    __m512 acc[MAX_ROWS];
-    UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    __m512 d = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = q6k_block(tile, b);
-        const int8_t *x = xq + XQ(b, 0);
-        prefetch_ahead(ahead, ahead_step, b);
-        if (b % Q6K_BLOCKS == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6k_head(tile, b)));
-        const __m512i high0 = _mm512_loadu_si512(w + Q4_NIBBLES), high1 = _mm512_loadu_si512(w + Q4_NIBBLES + Q4_CHUNK);
-        __m512i isum0[MAX_ROWS], isum1[MAX_ROWS];
-        UNROLLED for (int r = 0; r < rows; r++) {
-            __m512i sums = _mm512_set1_epi32(xo[XS(b, r)]);  /* -s0 low, -s1 high */
-            isum0[r] = _mm512_srai_epi32(_mm512_slli_epi32(sums, 16), 16 - 5);
-            isum1[r] = _mm512_slli_epi32(_mm512_srai_epi32(sums, 16), 5);
-        }
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-            __m512i bits0 = p == 0 ? _mm512_slli_epi16(high0, 4) : p == 1 ? _mm512_slli_epi16(high0, 2)
-                            : p == 2 ? high0 : _mm512_srli_epi16(high0, 2);
-            __m512i bits1 = p == 0 ? _mm512_slli_epi16(high1, 4) : p == 1 ? _mm512_slli_epi16(high1, 2)
-                            : p == 2 ? high1 : _mm512_srli_epi16(high1, 2);
-            __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low), _mm512_and_si512(bits0, top));
-            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low), _mm512_and_si512(bits1, top));
+    UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, _mm512_setzero_ps());
+    for (int64_t b0 = 0; b0 < nb; b0 += Q6K_BLOCKS) {
+        __m512i s[MAX_ROWS];
+        UNROLLED for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+        for (int64_t b = b0; b < b0 + Q6K_BLOCKS; b++) {
+            const uint8_t *w = q6k_block(tile, b);
+            const int8_t *x = xq + XQ(b, 0);
+            prefetch_ahead(ahead, ahead_step, b);
+            const __m512i high0 = _mm512_loadu_si512(w + Q4_NIBBLES), high1 = _mm512_loadu_si512(w + Q4_NIBBLES + Q4_CHUNK);
+            __m512i isum0[MAX_ROWS], isum1[MAX_ROWS];
+            UNROLLED for (int r = 0; r < rows; r++) isum0[r] = isum1[r] = _mm512_setzero_si512();
+            UNROLLED for (int p = 0; p < 4; p++) {
+                __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+                __m512i bits0 = p == 0 ? _mm512_slli_epi16(high0, 4) : p == 1 ? _mm512_slli_epi16(high0, 2)
+                                : p == 2 ? high0 : _mm512_srli_epi16(high0, 2);
+                __m512i bits1 = p == 0 ? _mm512_slli_epi16(high1, 4) : p == 1 ? _mm512_slli_epi16(high1, 2)
+                                : p == 2 ? high1 : _mm512_srli_epi16(high1, 2);
+                __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low), _mm512_and_si512(bits0, top));
+                __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low), _mm512_and_si512(bits1, top));
+                UNROLLED for (int r = 0; r < rows; r++) {
+                    isum0[r] = dpbusd_broadcast(isum0[r], lo, x + r * QBLOCK + p * 4);
+                    isum1[r] = dpbusd_broadcast(isum1[r], hi, x + r * QBLOCK + (p + 4) * 4);
+                }
+            }
+            __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + Q6K_HIGH)));
+            __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16), sc1 = _mm512_srai_epi32(sc, 16);
+            __m512i sc32 = _mm512_slli_epi16(sc, 5);  /* within int16: |sc| <= 128 */
             UNROLLED for (int r = 0; r < rows; r++) {
-                isum0[r] = dpbusd_broadcast(isum0[r], lo, x + r * QBLOCK + p * 4);
-                isum1[r] = dpbusd_broadcast(isum1[r], hi, x + r * QBLOCK + (p + 4) * 4);
+                __m512i v = _mm512_dpwssd_epi32(s[r], sc32, _mm512_set1_epi32(xo[XS(b, r)]));
+                s[r] = _mm512_add_epi32(_mm512_add_epi32(v, _mm512_mullo_epi32(isum0[r], sc0)),
+                                        _mm512_mullo_epi32(isum1[r], sc1));
             }
         }
-        __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES + Q6K_HIGH)));
-        __m512 sc0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16));
-        __m512 sc1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(sc, 16));
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6k_head(tile, b0)));
         UNROLLED for (int r = 0; r < rows; r++) {
-            __m512 isum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum1[r]), sc1,
-                                          _mm512_mul_ps(_mm512_cvtepi32_ps(isum0[r]), sc0));
-            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(xs[XS(b, r)])), acc[r]);
+            __m512 o = _mm512_loadu_ps(out + r * TILE);
+            _mm512_storeu_ps(out + r * TILE, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[XS(b0, r)])), o));
         }
     }
-    UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
 VNNI512_TILE(q6k_tile_avx512vnni, q6k_vnni512_rows)
@@ -281,4 +292,4 @@ static tile_kernel q6k_kernel_for(int isa) {
     return q6k_tile_portable;
 }
 
-static const format Q6K = {q6k_tile_bytes, q6k_kernel_for, no_small_kernel, 0, q6k_half_sums};
+static const format Q6K = {q6k_tile_bytes, q6k_kernel_for, no_small_kernel, 0, q6k_half_sums, 1};
