@@ -254,7 +254,7 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def run(settings: dict, quick: bool) -> dict:
     started = time.perf_counter()
-    loaded = load_weights(None, progress=True)
+    loaded = load_weights(None)
     engine = Engine(EngineConfig(), progress=False, loaded=loaded)  # kernel "auto": q8 where it compiles
     # As `tollway serve` does at start: else the b64 steps, the first to reach most of the pool,
     # each wait for the kernel to clear the pages they first write (4% of such a step in a profile).

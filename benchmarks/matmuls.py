@@ -42,7 +42,7 @@ def weight_bytes(linears, kernel: str, rows: int) -> int:
 
 @torch.inference_mode()
 def run(settings: dict, quick: bool) -> dict:
-    loaded = load_weights(None, progress=True)
+    loaded = load_weights(None)
     library = q8_library()
     if library is None:
         sys.exit("the native q8 matmul did not compile here: nothing to measure")

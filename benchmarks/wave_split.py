@@ -51,7 +51,7 @@ def timed_head(engine: Engine) -> list[float]:
 
 
 def run(settings: dict, quick: bool) -> dict:
-    engine = Engine(EngineConfig(), progress=False, loaded=load_weights(None, progress=True))
+    engine = Engine(EngineConfig(), progress=False, loaded=load_weights(None))
     if (populating := engine.runner.fault_in_kv()) is not None:
         populating.join()
     head_calls = timed_head(engine)

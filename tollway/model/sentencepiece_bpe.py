@@ -16,7 +16,7 @@ import numpy as np
 from tollway.checkpoint import cache_root
 from tollway.gguf_file import GGUFFile
 from tollway.model.native.build import native_code_enabled, start_build
-from tollway.text.gguf_tokenizer import eos_token_ids, is_gemma_sentencepiece, tokenizer_config
+from tollway.text.gguf_tokenizer import adds_bos_eos, eos_token_ids, is_gemma_sentencepiece, tokenizer_config
 from tollway.text.tokenizer import Tokenizer, byte_fallback_ids
 
 if TYPE_CHECKING:
@@ -48,13 +48,11 @@ class SentencePieceBPE:
                 raise ValueError(f"{reader.path}: tokenizer.ggml.token_type is not {n} int32s")
             types = np.frombuffer(raw, dtype="<i4", count=n)
         lib = self._lib = _bind(ctypes.CDLL(str(library)))
-        # The flags say whether the file's tokenizer adds BOS and EOS (older SentencePiece files
-        # have none, and llama.cpp adds BOS to them), as tokenizer_config.json has it.
         bos, eos = fields.get("tokenizer.ggml.bos_token_id", -1), fields.get("tokenizer.ggml.eos_token_id", -1)
+        add_bos, add_eos = adds_bos_eos(fields)  # as tokenizer_config.json has them
         self._handle = lib.spbpe_new(strings.ctypes.data, len(strings), n,
                                      types.ctypes.data if types is not None else None, bos, eos,
-                                     bool(fields.get("tokenizer.ggml.add_bos_token", True)),
-                                     bool(fields.get("tokenizer.ggml.add_eos_token", False)))
+                                     bool(add_bos), bool(add_eos))
         if not self._handle:
             raise ValueError(f"{reader.path}: its tokenizer.ggml.tokens are cut short")
         self.size = n

@@ -164,14 +164,19 @@ def _within(backend: Tokenizer, size: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(spec))
 
 
+def adds_bos_eos(fields: dict[str, Any]) -> tuple[bool | None, bool | None]:
+    """Whether the file's tokenizer adds BOS and EOS (None: the file does not say). Older
+    SentencePiece files have no flag, and llama.cpp adds BOS to them."""
+    return (fields.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer.ggml.model") == "llama" or None),
+            fields.get("tokenizer.ggml.add_eos_token"))
+
+
 def tokenizer_config(fields: dict[str, Any], token: Callable[[int], str]) -> dict[str, Any]:
     """What tokenizer_config.json holds: the special tokens' texts (`token`: an id's), BOS/EOS
     insertion and the chat template."""
     config = {f"{name}_token": token(fields[f"tokenizer.ggml.{name}_token_id"])
               if f"tokenizer.ggml.{name}_token_id" in fields else None for name in ("bos", "eos")}
-    # Older SentencePiece files have no flag, and llama.cpp adds BOS to them.
-    config["add_bos_token"] = fields.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer.ggml.model") == "llama" or None)
-    config["add_eos_token"] = fields.get("tokenizer.ggml.add_eos_token")
+    config["add_bos_token"], config["add_eos_token"] = adds_bos_eos(fields)
     config["chat_template"] = fields.get("tokenizer.chat_template")
     return config
 
