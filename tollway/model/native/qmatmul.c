@@ -742,6 +742,30 @@ static inline __attribute__((always_inline)) void store_rows(float *out, __m256 
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (r0 + r) * TILE + h * 8, acc[r][h]);
 }
 
+/* A block of 4-bit values (q40's and q4k's: chunk g % 4 holds group g in its low nibbles for g < 4,
+   its high ones for g >= 4) against rows r0..r0 + n, both halves of the tile at once, summed in
+   int16: q is 0..15, the u8 operand of vpmaddubsw, and a lane's 16 products stay within
+   16 * 15 * 128 < 32767. Each broadcast activation group feeds two vpmaddubsw. */
+__attribute__((target("avx2")))
+static inline __attribute__((always_inline)) void nibble_block_avx2(const uint8_t *w, const int8_t *xq, int64_t b,
+                                                                    int r0, __m256i sum16[3][2], const int n) {
+    const __m256i low = _mm256_set1_epi8(15);
+    UNROLLED for (int g = 0; g < GROUPS; g++) {
+        __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
+        __m256i pairs1 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + 32));
+        __m256i w0 = _mm256_and_si256(g < 4 ? pairs0 : _mm256_srli_epi16(pairs0, 4), low);
+        __m256i w1 = _mm256_and_si256(g < 4 ? pairs1 : _mm256_srli_epi16(pairs1, 4), low);
+        UNROLLED for (int r = 0; r < n; r++) {
+            __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
+            __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
+            sum16[r][0] = g == 0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
+            sum16[r][1] = g == 0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
+            KEEP_IN_REGISTER(sum16[r][0]);
+            KEEP_IN_REGISTER(sum16[r][1]);
+        }
+    }
+}
+
 /* AVX2: vpmaddubsw multiplies u8 by s8 into saturating int16 pairs, so it gets |w| and x with
    w's sign: each pair then stays within 2 * 127 * 127 < 32767, and the sums are exact. The weights
    are read back to signed (xor 0x80), so the sums need no offset. Both halves of the tile at once,
@@ -958,32 +982,56 @@ static inline __attribute__((always_inline)) void vnni512_rows(const uint8_t *ti
     UNROLLED for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
 
-/* q5 on AVX512-VNNI: q4's chunks, each group's fifth bits or-ed in at bit 4. */
+/* A block of 4-bit values (q40's and q4k's chunks) into the rows' sums: each 64-byte chunk gives
+   two groups, its low and its high nibbles. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __attribute__((always_inline)) void nibble_block_vnni512(const uint8_t *w, const int8_t *x, __m512i *isum,
+                                                                       const int rows) {
+    const __m512i low = _mm512_set1_epi8(15);
+    UNROLLED for (int p = 0; p < 4; p++) {
+        __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+        __m512i lo = _mm512_and_si512(pairs, low), hi = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), low);
+        UNROLLED for (int r = 0; r < rows; r++) {
+            isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
+            isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+        }
+    }
+}
+
+/* A block of 5-bit values (q5's and q5k's: q4's chunks, each group's fifth bit from the plane at
+   w + Q4_NIBBLES or-ed in at bit 4) into the rows' sums: each 64-byte chunk gives two groups. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __attribute__((always_inline)) void q5_block_vnni512(const uint8_t *w, const int8_t *x, __m512i *isum,
+                                                                   const int rows) {
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
+    UNROLLED for (int p = 0; p < 4; p++) {
+        __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
+        __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
+                                     _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
+        __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
+                                     _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
+        UNROLLED for (int r = 0; r < rows; r++) {
+            isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
+            isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
+        }
+    }
+}
+
+/* q5 on AVX512-VNNI. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q5_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                    const float *xs, const int32_t *xo, const int rows,
                                                                    float *out, const char *ahead, int64_t ahead_step) {
-    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
     __m512 acc[MAX_ROWS];
     UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * Q5_BLOCK_BYTES;
         const int8_t *x = xq + XQ(b, 0);
         prefetch_ahead(ahead, ahead_step, b);
-        const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
         __m512i isum[MAX_ROWS];
         UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)] / 128 * Q5_OFFSET);
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-            __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
-                                         _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
-            __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
-                                         _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
-            UNROLLED for (int r = 0; r < rows; r++) {
-                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
-            }
-        }
+        q5_block_vnni512(w, x, isum, rows);
         const uint16_t *scales = (const uint16_t *)(w + Q4_NIBBLES + Q5_HIGH);
         __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
         UNROLLED for (int r = 0; r < rows; r++) {

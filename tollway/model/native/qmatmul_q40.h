@@ -73,27 +73,14 @@ __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void q40_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                  const float *xs, const int32_t *xo, int r0, float *out,
                                                                  const char *ahead, int64_t ahead_step, const int n) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[3][2];
     UNROLLED for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = tile + b * Q40_BLOCK_BYTES;
         if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
         __m256i sum16[3][2];
-        UNROLLED for (int g = 0; g < GROUPS; g++) {  /* chunk g % 4: its low nibbles are group g < 4, its high g >= 4 */
-            __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
-            __m256i pairs1 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + 32));
-            __m256i w0 = _mm256_and_si256(g < 4 ? pairs0 : _mm256_srli_epi16(pairs0, 4), low);
-            __m256i w1 = _mm256_and_si256(g < 4 ? pairs1 : _mm256_srli_epi16(pairs1, 4), low);
-            UNROLLED for (int r = 0; r < n; r++) {
-                __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
-                sum16[r][0] = g == 0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                sum16[r][1] = g == 0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                KEEP_IN_REGISTER(sum16[r][0]);
-                KEEP_IN_REGISTER(sum16[r][1]);
-            }
-        }
+        nibble_block_avx2(w, xq, b, r0, sum16, n);
         __m256i isum[3][2];
         UNROLLED for (int r = 0; r < n; r++) {
             __m256i offset = _mm256_srai_epi32(_mm256_set1_epi32(xo[XS(b, r0 + r)]), 4);  /* -8 sum(x) */
@@ -111,12 +98,11 @@ static void q40_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, con
         ROWS3_SWITCH(q40_avx2_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step)
 }
 
-/* q40 on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles. */
+/* q40 on AVX512-VNNI: -8 sum(x) starts the sums. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q40_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                     const float *xs, const int32_t *xo, const int rows,
                                                                     float *out, const char *ahead, int64_t ahead_step) {
-    const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MAX_ROWS];
     UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -125,14 +111,7 @@ static inline __attribute__((always_inline)) void q40_vnni512_rows(const uint8_t
         prefetch_ahead(ahead, ahead_step, b);
         __m512i isum[MAX_ROWS];
         UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_set1_epi32(xo[XS(b, r)] / 128 * Q40_OFFSET);
-        UNROLLED for (int p = 0; p < 4; p++) {
-            __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-            __m512i lo = _mm512_and_si512(pairs, low), hi = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), low);
-            UNROLLED for (int r = 0; r < rows; r++) {
-                isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
-            }
-        }
+        nibble_block_vnni512(w, x, isum, rows);
         __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + Q4_NIBBLES)));
         UNROLLED for (int r = 0; r < rows; r++) {
             __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[XS(b, r)]));

@@ -187,17 +187,12 @@ static inline __m256i kmin_scales_avx2(const uint8_t *sc, int h) {
     return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
 }
 
-/* q4k on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way). q is
-0..15, so vpmaddubsw takes it as the u8 operand directly, and a block's 16 products per int16 lane
-stay within 16 * 15 * 128 < 32767: the block sums in int16 (vpaddw, which leaves the multiply
-ports free), and one vpmaddwd a block widens it times the block's sc. Both halves of the tile at
-once, for up to 3 rows, so that each broadcast activation group feeds two vpmaddubsw (a chunk's low
-nibbles, then its high ones: two weight registers at a time). */
+/* q4k on AVX2, also run for AVX-VNNI (same bits: the integer sums are exact either way): a block
+sums in int16 (nibble_block_avx2), and one vpmaddwd widens it times the block's sc. */
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void q4k_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                  const float *xs, const int32_t *xo, int r0, float *out,
                                                                  const char *ahead, int64_t ahead_step, const int n) {
-    const __m256i low = _mm256_set1_epi8(15);
     memset(out + r0 * TILE, 0, (size_t)n * TILE * sizeof(float));
     for (int64_t b0 = 0; b0 < nb; b0 += Q4K_BLOCKS) {
         const uint8_t *head = kmin_head(tile, b0 / Q4K_BLOCKS, Q4K_SUPER_BYTES);
@@ -208,20 +203,7 @@ static inline __attribute__((always_inline)) void q4k_avx2_rows(const uint8_t *t
             const uint8_t *w = head + KMIN_HEAD + j * Q4K_BLOCK_BYTES;
             if (r0 == 0) prefetch_ahead_avx2(ahead, ahead_step, b);
             __m256i sum16[3][2];
-            UNROLLED for (int g = 0; g < GROUPS; g++) {  /* chunk g % 4: its low nibbles are group g < 4, its high g >= 4 */
-                __m256i pairs0 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK));
-                __m256i pairs1 = _mm256_loadu_si256((const __m256i *)(w + (g % 4) * Q4_CHUNK + 32));
-                __m256i w0 = _mm256_and_si256(g < 4 ? pairs0 : _mm256_srli_epi16(pairs0, 4), low);
-                __m256i w1 = _mm256_and_si256(g < 4 ? pairs1 : _mm256_srli_epi16(pairs1, 4), low);
-                UNROLLED for (int r = 0; r < n; r++) {
-                    __m256i x = _mm256_set1_epi32(group_of(xq + XQ(b, r0 + r) + g * 4));
-                    __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
-                    sum16[r][0] = g == 0 ? p0 : _mm256_add_epi16(sum16[r][0], p0);
-                    sum16[r][1] = g == 0 ? p1 : _mm256_add_epi16(sum16[r][1], p1);
-                    KEEP_IN_REGISTER(sum16[r][0]);
-                    KEEP_IN_REGISTER(sum16[r][1]);
-                }
-            }
+            nibble_block_avx2(w, xq, b, r0, sum16, n);
             UNROLLED for (int h = 0; h < 2; h++) {
                 __m256i sc = kmin_scales_avx2(w + Q4_NIBBLES, h);
                 UNROLLED for (int r = 0; r < n; r++) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(sum16[r][h], sc));
@@ -257,13 +239,12 @@ static inline __attribute__((always_inline)) void kmin_vnni512_super(const uint8
     }
 }
 
-/* q4k on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles; a block's
-   sums times its sc (vpmulld) add up the superblock's S. */
+/* q4k on AVX512-VNNI: a block's sums (nibble_block_vnni512) times its sc (vpmulld) add up the
+   superblock's S. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q4k_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                     const float *xs, const int32_t *xo, const int rows,
                                                                     float *out, const char *ahead, int64_t ahead_step) {
-    const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MAX_ROWS];
     UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += Q4K_BLOCKS) {
@@ -277,14 +258,7 @@ static inline __attribute__((always_inline)) void q4k_vnni512_rows(const uint8_t
             prefetch_ahead(ahead, ahead_step, b);
             __m512i isum[MAX_ROWS];
             UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
-            UNROLLED for (int p = 0; p < 4; p++) {
-                __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-                __m512i lo = _mm512_and_si512(pairs, low), hi = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), low);
-                UNROLLED for (int r = 0; r < rows; r++) {
-                    isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                    isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
-                }
-            }
+            nibble_block_vnni512(w, x, isum, rows);
             __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + Q4_NIBBLES)));
             UNROLLED for (int r = 0; r < rows; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(isum[r], sc));
         }

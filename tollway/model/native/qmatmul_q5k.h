@@ -146,13 +146,11 @@ static void q5k_tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, con
         ROWS3_SWITCH(q5k_avx2_rows, rows - r0, tile, nb, xq, xs, xo, r0, out, ahead, ahead_step)
 }
 
-/* q5k on AVX512-VNNI: each 64-byte chunk gives two groups, its low and its high nibbles, each with
-   its fifth bits or-ed in at bit 4 (q5's way); a block's sums times its sc add up S, as q4k's. */
+/* q5k on AVX512-VNNI: a block's groups as q5's, its sums times its sc add up S, as q4k's. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 static inline __attribute__((always_inline)) void q5k_vnni512_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                     const float *xs, const int32_t *xo, const int rows,
                                                                     float *out, const char *ahead, int64_t ahead_step) {
-    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
     __m512 acc[MAX_ROWS];
     UNROLLED for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += Q5K_BLOCKS) {
@@ -164,20 +162,9 @@ static inline __attribute__((always_inline)) void q5k_vnni512_rows(const uint8_t
             const uint8_t *w = head + KMIN_HEAD + j * Q5K_BLOCK_BYTES;
             const int8_t *x = xq + XQ(b, 0);
             prefetch_ahead(ahead, ahead_step, b);
-            const __m512i high = _mm512_loadu_si512(w + Q4_NIBBLES);
             __m512i isum[MAX_ROWS];
             UNROLLED for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
-            UNROLLED for (int p = 0; p < 4; p++) {
-                __m512i pairs = _mm512_loadu_si512(w + p * Q4_CHUNK);
-                __m512i lo = _mm512_or_si512(_mm512_and_si512(pairs, low),
-                                             _mm512_and_si512(_mm512_slli_epi16(high, 4 - p), fifth));
-                __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pairs, 4), low),
-                                             _mm512_and_si512(_mm512_srli_epi16(high, p), fifth));
-                UNROLLED for (int r = 0; r < rows; r++) {
-                    isum[r] = dpbusd_broadcast(isum[r], lo, x + r * QBLOCK + p * 4);
-                    isum[r] = dpbusd_broadcast(isum[r], hi, x + r * QBLOCK + (p + 4) * 4);
-                }
-            }
+            q5_block_vnni512(w, x, isum, rows);
             __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + Q4_NIBBLES + Q5_HIGH)));
             UNROLLED for (int r = 0; r < rows; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(isum[r], sc));
         }
