@@ -35,7 +35,8 @@ The K-quants (Q4_K, Q5_K, Q6_K) have files of their own (qmatmul_q4k.h, qmatmul_
 qmatmul_q6k.h): the same tiles, rows and threads, with their superblocks' scales, and activations
 with one scale per superblock of 256 (as llama.cpp's Q8_K), so that a superblock sums in integers
 and meets floats once: at 64 rows on Zen 4, Q4_K 1.13x and Q6_K 1.10x the speed of per-block
-float steps (6 and 5 vector operations per row and block beside the 8 multiply-adds). So has q40 (qmatmul_q40.h, a GGUF's Q4_0 in its 4.5 bits): q5's layout without the fifth bits.
+float steps (6 and 5 vector operations per row and block beside the 8 multiply-adds). So has q40
+(qmatmul_q40.h, a GGUF's Q4_0 in its 4.5 bits): q5's layout without the fifth bits.
 
 An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
 all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
@@ -486,15 +487,16 @@ static void quantize_row_avx512(const float *restrict x, int64_t nb, int64_t spa
     const __m512 shift = _mm512_set1_ps(12582912.0f), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     float amax = 0.0f;
     __m512 inv = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0, next = 0; b < nb; b++) {
         __m512 v[2] = {_mm512_loadu_ps(x + b * QBLOCK), _mm512_loadu_ps(x + b * QBLOCK + 16)};
-        if (b % span == 0) {
+        if (b == next) {  /* a span's first block: the span's largest |value| */
             __m512i top = _mm512_setzero_si512();
             for (int64_t i = b * 2; i < (b + span) * 2; i++)
                 top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_loadu_si512(x + i * 16), magnitude));
             uint32_t bits = _mm512_reduce_max_epu32(top);
             memcpy(&amax, &bits, 4);
             inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            next += span;
         }
         __m512i sum = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
@@ -523,10 +525,10 @@ static void quantize_row_avx2(const float *restrict x, int64_t nb, int64_t span,
     const __m256 shift = _mm256_set1_ps(12582912.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     float amax = 0.0f;
     __m256 inv = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0, next = 0; b < nb; b++) {
         __m256 v[4];
         for (int h = 0; h < 4; h++) v[h] = _mm256_loadu_ps(x + b * QBLOCK + h * 8);
-        if (b % span == 0) {
+        if (b == next) {  /* a span's first block: the span's largest |value| */
             __m256i top = _mm256_setzero_si256();
             for (int64_t i = b * 4; i < (b + span) * 4; i++)
                 top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i * 8)), magnitude));
@@ -536,6 +538,7 @@ static void quantize_row_avx2(const float *restrict x, int64_t nb, int64_t span,
             uint32_t bits = (uint32_t)_mm_cvtsi128_si32(t);
             memcpy(&amax, &bits, 4);
             inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            next += span;
         }
         __m256i ints[4], sum = _mm256_setzero_si256();
         for (int h = 0; h < 4; h++) {
