@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 import torch  # noqa: E402
 
 from common import command_line, machine_info, run_benchmark  # noqa: E402
-from engine import best_seconds  # noqa: E402
+from engine import best_seconds, read_buffer, read_gb_s  # noqa: E402
 from tollway.config import SchedulerConfig  # noqa: E402
 from tollway.model.kernel_profile import matmul_floor_seconds, model_linears  # noqa: E402
 from tollway.model.native.qmatmul import q8_library  # noqa: E402
@@ -50,14 +50,13 @@ def run(settings: dict, quick: bool) -> dict:
                          set(KERNELS))
     model, linears = runner.model, model_linears(runner.model)
     macs_per_row = sum(lin.out_features * lin.in_features for lin in linears)
-    src = torch.randn(64 * 2**20)  # 256 MiB, far beyond any cache: reading it is streaming the weights
-    read_gb_s = src.numel() * 4 / best_seconds(src.sum, 5) / 1e9
+    read = read_gb_s(read_buffer(), 5)
     peak = max(library.dot_peak() for _ in range(3))
     result = {
         "command": command_line("matmuls.py", " --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "settings": settings, "threads": torch.get_num_threads(), "isa": library.isa,
-        "read_gb_s": read_gb_s, "dot_peak_gmac_s": peak / 1e9,
+        "read_gb_s": read, "dot_peak_gmac_s": peak / 1e9,
         "weight_bytes": {rows: {k: weight_bytes(linears, k, rows) for k in KERNELS} for rows in settings["rows"]},
         "rows": {},
     }
@@ -77,7 +76,7 @@ def run(settings: dict, quick: bool) -> dict:
         result["rows"][rows] = {
             "ms": ms,
             "q8_speedup": {k: ms[k] / ms["q8"] for k in KERNELS if k != "q8"},
-            "q8_over_bandwidth_floor": q8_s / (result["weight_bytes"][rows]["q8"] / (read_gb_s * 1e9)),
+            "q8_over_bandwidth_floor": q8_s / (result["weight_bytes"][rows]["q8"] / (read * 1e9)),
             "q8_of_dot_peak": rows * macs_per_row / q8_s / peak,
             "q8_lm_head_ms": {k: statistics.median(v) * 1e3 for k, v in head.items()},
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,6 +184,14 @@ def test_the_dot_peak_is_that_of_the_path_the_kernels_run(native_library, monkey
     monkeypatch.setenv("TOLLWAY_ISA", "avx2")
     avx2 = Q8Library(native_library._lib).dot_peak(200_000)
     assert avx2 < 0.7 * native_library.dot_peak(200_000)
+
+
+def test_the_read_peak_reads_every_word_of_its_buffer(native_library):
+    words = torch.randint(-2**62, 2**62, (8 * 1000 + 5,), dtype=torch.int64)  # a tail past the threads' shares
+    expected = int(np.bitwise_xor.reduce(words.numpy().view(np.uint64)))
+    for threads in (1, 2, 3):
+        assert native_library._read(words.data_ptr(), words.numel() * 8, threads) == expected
+    assert native_library.read_peak(words, repeats=2) > 0
 
 
 def test_linear_runs_q8_natively_and_falls_back_on_shapes_it_does_not_cover(native_library, caplog):

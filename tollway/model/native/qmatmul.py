@@ -75,6 +75,7 @@ class Q8Library:
         self._reach_floats = _bind(lib.q8_reach_floats, i64, i64, i64)
         self._argmax_pruned = _bind(lib.q8_matmul_argmax_pruned, i64, p, i64, i64, i64, p, p, p, p, i64, p, i32, i32)
         self._peak = _bind(lib.q8_peak, i64, i32, i64, i32)
+        self._read = _bind(lib.q8_read, ctypes.c_uint64, p, i64, i32)
         self.supported = [name for i, name in enumerate(ISAS) if _bind(lib.q8_isa_supported, i32, i32)(i)]
         self.isa = self.resolve(os.environ.get("TOLLWAY_ISA") or None)
         # The instruction set forced below this CPU's best, else None: the other native code is
@@ -235,6 +236,17 @@ class Q8Library:
             start = time.perf_counter()
             per_thread = self._peak(ISAS.index(isa), iters, threads)
             best = max(best, per_thread * threads / (time.perf_counter() - start))
+        return best
+
+    def read_peak(self, buffer: torch.Tensor, repeats: int = 5) -> float:
+        """Bytes per second that every thread, reading its share of `buffer` (resident, far beyond
+        any cache), takes from memory, the best of `repeats`: what a one-row decode step's weights
+        stream at."""
+        nbytes, threads, best = buffer.numel() * buffer.element_size(), torch.get_num_threads(), 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._read(buffer.data_ptr(), nbytes, threads)
+            best = max(best, nbytes / (time.perf_counter() - start))
         return best
 
 
