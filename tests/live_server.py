@@ -57,11 +57,11 @@ def serving(app):
 
 
 def running_server(engine, metrics=None, gatekeeper=None, batch_dir=None, meter=None, fleet_secret=None,
-                   canary=None):
+                   canary=None, tracing=None):
     """A tollway server over `engine` (see serving); yields its details, then stops it."""
     async_engine = AsyncEngine(engine, on_step=metrics.on_step if metrics else None)
     for url in serving(create_app(async_engine, MODEL, metrics, gatekeeper, batch_dir, meter, fleet_secret,
-                                  canary=canary)):
+                                  canary=canary, tracing=tracing)):
         yield {"url": url, "engine": async_engine, "sync": engine}
     async_engine.shutdown()
 

@@ -48,9 +48,10 @@ def _run(loaded, cache, fused: str, threads: int, kv_cache_dtype: str, logprobs:
 
     def run_layers(*args):
         if fused != "layers":
-            return False
-        ran.append(fused_run(*args))
-        return ran[-1]
+            return None
+        done = fused_run(*args)
+        ran.append(done is not None)
+        return done
 
     def greedy(*args):
         if fused != "greedy":
@@ -134,7 +135,7 @@ def test_a_kernel_without_native_weights_runs_layer_by_layer(tiny_hf_models, nat
     fused_run = runner.model.ops.run_layers
     runner.model.ops.run_layers = lambda *args: calls.append(fused_run(*args)) or calls[-1]
     assert len(runner.execute(StepPlan(0, [seq], "fp32")).tokens["a"]) == 1
-    assert calls == [False]
+    assert calls == [None]  # not run natively: the layers ran one by one
 
 
 def test_an_unknown_kv_cache_dtype_is_refused(tiny_hf_models):
@@ -176,3 +177,59 @@ def test_rotary_tables_grown_mid_run_give_the_bits_of_whole_ones(tiny_hf_models,
     assert torch.equal(rotary.cos, made_whole.cos[:200]) and torch.equal(rotary.sin, made_whole.sin[:200])
     with pytest.raises(ValueError, match="past the model's 256 positions"):
         rotary.cover(257)
+
+
+def _run_paused(loaded, cache, kv_cache_dtype: str, logprobs: int | None):
+    """_run's steps, each asked to stop after every layer and run on, with a step of another
+    request run while the second step is paused: each step's tokens, the caches after the last,
+    and that other request's tokens."""
+    runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                         torch.device("cpu"), {"q8"}, cache_dir=str(cache), kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0, logprobs=logprobs)
+    steps, layers = _steps(loaded.config.vocab_size, params), loaded.config.num_layers
+    beside = StepPlan(99, [ScheduledSeq("e", "fast", tuple(range(3, 14)), 0, (60, 61, 62), True, params)], "q8")
+    results, pauses, other = [], 0, None
+    runner.step_yield.ask()
+    for plan in steps:
+        result = runner.execute(plan, pausable=True)
+        while result is None:
+            pauses += 1
+            if plan.step_id == 1 and other is None:  # the fast step between: it must leave the paused one be
+                assert runner.execute(beside) is not None
+                other = runner.execute(beside).tokens["e"]  # and once more, from its scratch's reused buffer
+            result = runner.resume()
+        results.append(result.tokens)
+    assert pauses == len(steps) * (layers - 1) and runner.paused_step is None
+    tokens = [{r: [(t.token_id, t.logprob, t.top_logprobs) for t in toks] for r, toks in step.items()}
+              for step in results]
+    return (tokens, [(c.k.clone(), c.v.clone()) for c in runner.caches]), other
+
+
+@pytest.mark.parametrize("logprobs", [None, 5])  # decoder_greedy's path, and the layers' then the head's
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_a_step_stopped_between_layers_and_run_on_gives_the_same_bits(tiny_hf_models, native_cache, name, logprobs):
+    """A step asked to stop (a fast request arrived) stops after the layer it is in, and run on
+    from there computes what it would have whole: the same tokens and logprobs, the same KV
+    caches, even with another step run between (the greedy path's rows live in a scratch buffer
+    the next step reuses). The step between gets its own tokens, as alone."""
+    loaded = load_weights(str(tiny_hf_models[name]))
+    want = _run(loaded, native_cache, "layers" if logprobs else "greedy", 2, "float16", logprobs=logprobs)
+    got, other = _run_paused(loaded, native_cache, "float16", logprobs)
+    ours = 60 * 4  # the slots of _steps' blocks: the step between wrote its own past them
+    assert _same((got[0], [(k[:ours], v[:ours]) for k, v in got[1]]), (want[0], [(k[:ours], v[:ours]) for k, v in want[1]]))
+    alone = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                        torch.device("cpu"), {"q8"}, cache_dir=str(native_cache), kv_cache_dtype="float16")
+    params = SamplingParams(temperature=0, logprobs=logprobs)
+    seq = ScheduledSeq("e", "fast", tuple(range(3, 14)), 0, (60, 61, 62), True, params)
+    assert alone.execute(StepPlan(0, [seq], "q8")).tokens["e"] == other
+
+
+def test_a_step_that_may_not_pause_runs_whole_whatever_is_asked(tiny_hf_models, native_cache):
+    loaded = load_weights(str(tiny_hf_models["llama"]))
+    runner = ModelRunner(loaded.config, loaded.tensors, SchedulerConfig(block_size=4, num_blocks=64),
+                         torch.device("cpu"), {"q8"}, cache_dir=str(native_cache))
+    seq = ScheduledSeq("a", "standard", (1, 2, 3), 0, (0,), True, SamplingParams(temperature=0))
+    runner.step_yield.ask()
+    assert runner.execute(StepPlan(0, [seq], "q8")) is not None and runner.paused_step is None
+    with pytest.raises(RuntimeError, match="no step is paused"):
+        runner.resume()

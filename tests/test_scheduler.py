@@ -436,10 +436,10 @@ def test_commit_checks_the_plan_is_current():
     with pytest.raises(ValueError, match="result of step 9"):
         sched.commit(plan, StepResult(9, {}, 0.0))
     sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(3)]}, 0.0))
-    with pytest.raises(ValueError, match="not the latest uncommitted"):
+    with pytest.raises(ValueError, match="not the uncommitted plan in flight"):
         sched.commit(plan, StepResult(plan.step_id, {"a": [SampledToken(3)]}, 0.0))
     stale, current = plan, sched.plan()
-    with pytest.raises(ValueError, match="not the latest uncommitted"):
+    with pytest.raises(ValueError, match="not the uncommitted plan in flight"):
         sched.commit(stale, StepResult(stale.step_id, {}, 0.0))
     with pytest.raises(ValueError, match="has 0 sampled tokens for a"):
         sched.commit(current, StepResult(current.step_id, {}, 0.0))
@@ -457,11 +457,12 @@ class FakeRunner:
         self.kv: dict[tuple[int, int], tuple] = {}
         self.rng = random.Random(seed)
 
-    def execute(self, plan) -> StepResult:
+    def execute(self, plan, requests: dict | None = None) -> StepResult:
+        """`requests`: the plan's requests as planned, for one that may have finished since."""
         bs = self.sched.pool.block_size
         tokens = {}
         for s in plan.seqs:
-            r = self.sched.get(s.request_id)
+            r = (requests or {}).get(s.request_id) or self.sched.get(s.request_id)
             known = r.all_token_ids + list(s.drafts)  # what the KV is computed from, drafts included
             assert s.num_new >= 1 and s.token_ids == tuple(known[s.start_pos:s.context_len])
             assert not s.num_draft or (r.tier == "fast" and s.start_pos == r.num_tokens - 1 and s.sample)
@@ -551,6 +552,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         before = list(victim.output_token_ids)
         changed = self.sched.commit(plan, result)
         assert victim.output_token_ids == before and victim not in [c.request for c in changed]
+
+    @precondition(lambda self: self.added)
+    @rule(data=st.data())
+    def fast_steps_beside_a_paused_one(self, data):
+        """A step stops between layers (the engine's answer to a fast arrival): plans beside it
+        take only fast requests not in it and preempt none of its requests; a request of it
+        aborted meanwhile keeps its blocks until it ends, for its step still writes them (the
+        fake runner writes its KV only at the end, after the fast steps')."""
+        paused = self.sched.plan()
+        self.sched.suspend()
+        mine = {s.request_id: self.sched.get(s.request_id) for s in paused.seqs}
+        for _ in range(data.draw(st.integers(0, 3))):
+            if data.draw(st.booleans()):
+                self.add((), data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=6)), 3, True, "fast")
+            if data.draw(st.booleans()):
+                self.sched.abort(data.draw(st.sampled_from(self.added)).request_id)
+            plan = self.sched.plan()
+            planned = {s.request_id for s in plan.seqs}
+            assert not planned & set(mine) and not set(plan.preempted) & set(mine)
+            assert all(s.tier == "fast" for s in plan.seqs)
+            for rid in mine:
+                r = self.sched.get(rid)
+                assert r is None or r.state is RequestState.RUNNING  # finished (aborted), or still its
+            self.sched.commit(plan, self.runner.execute(plan))
+        self.sched.resume()
+        self.sched.commit(paused, self.runner.execute(paused, mine))
 
     @invariant()
     def consistent(self):

@@ -89,6 +89,7 @@ class AsyncEngine:
         and result None for the final outputs of requests aborted between steps. More can be
         added with observe()."""
         self.engine = engine
+        self._fast_lane = engine.scheduler.policy.fast_lane  # read-only: safe from any thread
         self._observers = (on_step,) if on_step is not None else ()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -112,6 +113,8 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
         self._post(("add", prompt, params, tier, request_id, loop, outputs, added))
+        if self._fast_lane(tier):  # the step in flight stops after its current layer to let it in
+            self.engine.runner.step_yield.ask()
         try:
             rid = await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # if the engine thread had taken the add up, abort it once added
@@ -180,7 +183,10 @@ class AsyncEngine:
 
     def _steps(self) -> None:
         while not self._stopping:
-            # Block for work only while idle; between steps take whatever has arrived.
+            # Block for work only while idle; between steps take whatever has arrived. A fast
+            # request posted from now on asks the next step to stop for it; one posted before
+            # is taken in by this drain.
+            self.engine.runner.step_yield.clear()
             block = not self.engine.has_unfinished()
             if self._drain(block):
                 self._publish(None)  # before anyone hears of what the commands did
@@ -188,7 +194,7 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
                 plan, result = self.engine.last_plan, self.engine.last_result
-                if plan.seqs:
+                if plan is not None and plan.seqs:
                     self.longest_step = max(self.longest_step, result.seconds)
                     for observe in self._observers:
                         observe(self.engine, plan, result, outputs)

@@ -54,6 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: start a local one)")
     serve.add_argument("--sse-keep-alive", type=float, metavar="SECONDS",
                        help="send a stream that has been silent this long a keep-alive comment (default 15)")
+    serve.add_argument("--otlp-traces-endpoint", metavar="URL",
+                       help="send a span per API call, its stages as children, to this OTLP/HTTP collector "
+                            "(e.g. http://localhost:4318/v1/traces; needs tollway[otel]); default "
+                            "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     serve.add_argument("--canary-share", type=float, metavar="SHARE",
                        help="promote this share (0-1) of requests sent with service_tier auto or none, from keys "
                             "entitled to fast, to the fast lane, to compare with the rest: tollway report --canary")
@@ -260,11 +264,12 @@ def _serve(args) -> int:
     from tollway.engine import Engine
     from tollway.server.app import create_app
     from tollway.server.metrics import Metrics
+    from tollway.server.tracing import tracing_for
 
     server = load_server_config(args.config) if args.config else ServerConfig()
     for value, name in ((args.host, "host"), (args.port, "port"), (args.served_model_name, "served_model_name"),
                         (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url"),
-                        (args.sse_keep_alive, "sse_keep_alive")):
+                        (args.sse_keep_alive, "sse_keep_alive"), (args.otlp_traces_endpoint, "otlp_traces_endpoint")):
         if value is not None:
             setattr(server, name, value)
     for value, name in ((args.canary_share, "share"), (args.canary_seed, "seed"),
@@ -284,6 +289,7 @@ def _serve(args) -> int:
         return serve_fleet(ReplicaSpec(name, config, server, server_parts, log_level=args.log_level), args.replicas,
                            args.ray_address, server.host, server.port)
     gatekeeper, meter, batch_dir = server_parts(server, config)
+    tracing = tracing_for(server.otlp_traces_endpoint, name)  # before the engine: a missing extra fails fast
     metrics = Metrics(name)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
     engine.engine.runner.fault_in_kv()
@@ -295,7 +301,8 @@ def _serve(args) -> int:
               f"(live dashboard: /dashboard{'' if gatekeeper.open else '?key=ADMIN_KEY'})", file=sys.stderr)
         print(f"tollway: ledger {meter.ledger.database}", file=sys.stderr)
         uvicorn.run(create_app(engine, name, metrics, gatekeeper, batch_dir, meter,
-                               keep_alive=server.sse_keep_alive, canary=server.canary), host=server.host,
+                               keep_alive=server.sse_keep_alive, canary=server.canary, tracing=tracing),
+                    host=server.host,
                     port=server.port, **uvicorn_logging(args.log_level))
     finally:
         engine.shutdown()

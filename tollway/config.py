@@ -23,10 +23,12 @@ class TierSpec:
     # fast: every step that carries a fast request is shaped to this. standard: the p99 TPOT
     # SLO that bounds the batch size. None: no target.
     tpot_target: float | None = None
-    # fast, with `warm_for` set: for that many seconds after fast traffic, every step is kept
-    # within half of this, so a newcomer waits at most that for the step in flight. The meter
-    # charges the capacity this holds idle to the next fast requests. Otherwise (and for the
-    # other lanes) reported against, not scheduled for.
+    # fast: a newcomer should wait at most half of this for the step in flight. Where steps can
+    # stop between layers (SchedulerConfig.pause_layers), every step is kept so that one layer
+    # of it takes at most that; else, with `warm_for` set, for that many seconds after fast
+    # traffic every step is kept within it whole, and the meter charges the capacity this holds
+    # idle to the next fast requests. Otherwise (and for the other lanes) reported against,
+    # not scheduled for.
     ttft_target: float | None = None
     warm_for: float | None = None
     reserved_kv_share: float = 0.0  # of the KV blocks, held back from the other tiers
@@ -103,6 +105,10 @@ class SchedulerConfig:
     # speculation_min_rate stops getting them.
     speculative_tokens: int = 4
     speculation_min_rate: float = 0.25
+    # The layers a step can stop between for a fast arrival (the engine sets it where its steps
+    # run in the native layer loop: the model's layer count); 0: a step runs whole, and the lanes
+    # policy keeps steps short for a while after fast traffic instead (TierSpec.warm_for).
+    pause_layers: int = 0
 
     def validate(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -310,6 +316,9 @@ class ServerConfig:
     # Seconds a stream may go silent (queued, or between tokens) before it sends an SSE
     # keep-alive comment: under the 60 s idle timeout of most proxies.
     sse_keep_alive: float = 15.0
+    # An OTLP/HTTP collector's traces URL (http://host:4318/v1/traces): a span per API call
+    # (server/tracing.py). None: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing.
+    otlp_traces_endpoint: str | None = None
     meter: MeterConfig = field(default_factory=MeterConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
 

@@ -112,12 +112,17 @@ class Engine:
                 self.step_model = StepTimeModel.fit(samples_from_json(samples))
             bar.update()
         self.config = config
+        if self.runner.model.ops.pauses:
+            sched.pause_layers = self.model_config.num_layers
         self.scheduler = Scheduler(sched, self.step_model)
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
-        self.last_plan: StepPlan | None = None
+        self.last_plan: StepPlan | None = None  # the step that last ended; None after one paused
         self.last_result: StepResult | None = None
+        self._paused_plan: StepPlan | None = None  # the plan of the step paused between layers
+        self._fast_turn = False  # beside a paused step: a fast step goes next (else the paused step)
+        self.steps_paused = 0  # steps that stopped for a fast arrival
         # The file's metadata (a vocabulary's strings) goes before the heap is trimmed: what the
         # engine keeps of a load is its tensors.
         del loaded, tokenizer
@@ -173,7 +178,9 @@ class Engine:
         return [self.abort(request_id) for request_id in self.scheduler.request_ids()]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or a paused step to end (its requests may all have been
+        aborted meanwhile, but it holds their blocks until it ends)."""
+        return self.scheduler.has_unfinished() or self.runner.paused_step is not None
 
     # -- what the server and the fleet read (on the engine thread: AsyncEngine.run or an observer) --
     @property
@@ -211,11 +218,61 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step, and its outputs. A step without a fast request may stop between two layers
+        where the runner's step_yield asks (a fast request arrived: the server asks as it hands
+        one over); it then returns no outputs (last_plan None), and the next calls run fast
+        steps beside it and it in slices, turn about, until it ends (see _beside_paused)."""
+        if self.runner.paused_step is not None:
+            return self._beside_paused()
         plan = self.scheduler.plan()
         self.last_plan = plan
         if not plan.seqs:
             return []
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan, pausable=self._may_pause(plan))
+        if result is None:
+            self.scheduler.suspend()
+            self._paused_plan, self._fast_turn = plan, True
+            self.steps_paused += 1
+            self.last_plan = self.last_result = None
+            return []
+        return self._commit(plan, result)
+
+    def _may_pause(self, plan: StepPlan) -> bool:
+        """Whether the step may stop for a fast arrival: not a step fast requests are in (it is
+        shaped to their target already), and only under a policy with a fast lane."""
+        fast_lane = self.scheduler.policy.fast_lane
+        return fast_lane("fast") and not any(fast_lane(s.tier) for s in plan.seqs)
+
+    def _beside_paused(self) -> list[RequestOutput]:
+        """A step paused between layers: first a step of the fast requests not in it (the
+        scheduler plans only those while it is suspended); then the paused step runs on, while
+        fast requests run only until the next of their tokens is due (the fast TPOT target
+        after the last one, less the fast step's own time), and on to its end once none do."""
+        pause = self.runner.step_yield
+        if self._fast_turn:
+            self._fast_turn = False
+            plan = self.scheduler.plan()
+            if plan.seqs:
+                self.last_plan = plan
+                result = self.runner.execute(plan)
+                outputs = self._commit(plan, result)
+                tpot = self.scheduler.tiers["fast"].tpot_target
+                fast_running = tpot is not None and self.scheduler.running_in("fast")
+                pause.deadline = time.monotonic() + max(0.0, tpot - result.seconds) if fast_running else None
+                return outputs
+            pause.deadline = None
+        result = self.runner.resume()
+        if result is None:
+            self._fast_turn = True
+            self.last_plan = self.last_result = None
+            return []
+        pause.deadline = None
+        self.scheduler.resume()
+        plan, self._paused_plan = self._paused_plan, None
+        self.last_plan = plan
+        return self._commit(plan, result)
+
+    def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.last_result = result
         outputs = []
         now = time.monotonic()
@@ -244,7 +301,7 @@ class Engine:
             finished=finished, finish_reason=req.finish_reason,
             num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-            time=now,
+            time=now, num_steps=req.num_steps, steps_to_first_token=req.steps_to_first_token,
         )
         stream = self.streams.pop(req.request_id, None) if finished else self.streams.get(req.request_id)
         if finished and self.runner.grammars is not None:

@@ -30,3 +30,5 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     time: float = 0.0
+    num_steps: int = 0  # steps that ran with the request in them so far
+    steps_to_first_token: int | None = None

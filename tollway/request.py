@@ -119,6 +119,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_steps: int = 0  # steps that ran with this request in them
+    steps_to_first_token: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -131,6 +131,7 @@ class Replica:
         from tollway.engine import Engine
         from tollway.server.app import create_app
         from tollway.server.metrics import Metrics
+        from tollway.server.tracing import tracing_for
 
         metrics = Metrics(spec.model_name)
         gatekeeper, meter, batch_store = spec.build(spec.server, spec.config)
@@ -138,7 +139,8 @@ class Replica:
         self.engine.engine.runner.fault_in_kv()
         # Every replica runs Batch API jobs; the shared store gives each job to one at a time.
         app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store, meter, spec.secret,
-                         spec.server.sse_keep_alive, spec.server.canary)
+                         spec.server.sse_keep_alive, spec.server.canary,
+                         tracing_for(spec.server.otlp_traces_endpoint, spec.model_name))
         host = host or ray.util.get_node_ip_address()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -6,6 +6,7 @@ import torch
 from tollway.model.embedding import Embedding
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
 from tollway.model.row_ops import TorchRowOps
+from tollway.model.step_yield import Paused, StepYield
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -38,32 +39,46 @@ class DecoderModel:
             rotary.cover(positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-                meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, kernel: str, keep: torch.Tensor | None = None,
+                pause: StepYield | None = None) -> torch.Tensor | Paused:
         """The last layer's hidden states of the rows in `keep` (indices, ascending), or of every
-        row; every row's K and V go to the caches either way."""
+        row; every row's K and V go to the caches either way. Paused where `pause` stopped the
+        layers (only the native layer loop stops): `resume` runs them on."""
         x = self.embed.rows(input_ids)
-        return self.run_layers(x, positions, caches, meta, kernel, keep)
+        return self.run_layers(x, positions, caches, meta, kernel, keep, pause=pause)
+
+    def resume(self, paused: Paused, positions: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
+               kernel: str, keep: torch.Tensor | None = None, pause: StepYield | None = None) -> torch.Tensor | Paused:
+        """forward's result for a step `paused` between layers, run on from there (the same step:
+        the same rows, positions, caches and metadata)."""
+        return self.run_layers(paused.x, positions, caches, meta, kernel, keep, paused.layer, pause)
 
     def greedy_forward(self, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
-                       keep: torch.Tensor | None = None) -> list[int] | None:
+                       keep: torch.Tensor | None = None, pause: StepYield | None = None) -> list[int] | Paused | None:
         """greedy_tokens(forward(...)) in one native call, where the row ops have one for this
         kernel and the LM head's plain argmax kernel serves these rows; None, with nothing run,
         where not. At batch 1 the Python between forward's call and the head's is a few percent of
         a step, its caches cold after the head's weights (row_ops.c's decoder_greedy; the figures
-        are in benchmarks/README.md)."""
+        are in benchmarks/README.md). Paused where `pause` stopped it between layers: `resume`
+        runs them on, and greedy_tokens then picks the same tokens."""
         native = self._argmax_head(kernel)
         if native is None or native.prunes(len(input_ids) if keep is None else len(keep)):
             return None
-        return self.ops.greedy_step(self, input_ids, caches, meta, kernel, keep)
+        return self.ops.greedy_step(self, input_ids, caches, meta, kernel, keep, pause)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                   kernel: str, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """x through every layer, in place, and then the rows in `keep` (all if None): in one
+                   kernel: str, keep: torch.Tensor | None = None, start: int = 0,
+                   pause: StepYield | None = None) -> torch.Tensor | Paused:
+        """x through layers `start`.., in place, and then the rows in `keep` (all if None): in one
         native call where the row ops have one for this kernel (native_layers.py), whose last
-        layer computes only those rows past their K and V; else layer by layer, every row."""
-        if self.ops.run_layers(self.layers, x, caches, meta, kernel, keep):
+        layer computes only those rows past their K and V, and which `pause` may stop between
+        layers; else layer by layer, every row."""
+        done = self.ops.run_layers(self.layers, x, caches, meta, kernel, keep, start, pause)
+        if done is not None:
+            if done < len(self.layers):
+                return Paused(x, done)
             return x if keep is None else x[:len(keep)]
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.layers[start:], caches[start:]):
             x = layer(x, positions, cache, meta, kernel)
         return x if keep is None else take_rows(x, keep)
 

@@ -17,6 +17,7 @@ import torch
 
 from tollway.model.layers import AttentionMetadata, KVCache, Linear
 from tollway.model.native.qmatmul import ISAS, KINDS, PARTS, Q8Library
+from tollway.model.step_yield import Paused, StepYield
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # row_ops.c's gated_act kinds
 KEPT_SCRATCH_TOKENS = 256
@@ -46,7 +47,8 @@ class _Step(ctypes.Structure):  # row_ops.c's `step`
                 ("table_rows", _p), ("table_width", _i64), ("block_size", _i64),
                 ("kept", _i64), ("keep", _p), ("kept_positions", _p), ("kept_table_rows", _p),
                 ("normed", _p), ("qkv", _p), ("qk", _p), ("attn", _p), ("h", _p), ("gate_up", _p), ("act", _p),
-                ("parallel", _p), ("isa", _i32), ("threads", _i32)]
+                ("parallel", _p), ("isa", _i32), ("threads", _i32),
+                ("first_layer", _i64), ("yield_flag", _p), ("yield_at_ns", _i64)]
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -59,9 +61,9 @@ class NativeLayers:
     def __init__(self, row_ops: ctypes.CDLL, q8: Q8Library):
         self.q8 = q8
         self._run = row_ops.decoder_layers
-        self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], ctypes.c_int
+        self._run.argtypes, self._run.restype = [_p, _i64, _p, _p], _i64
         self._greedy = row_ops.decoder_greedy
-        self._greedy.argtypes, self._greedy.restype = [_p, _i64, _p, _p, _p, _p, _p], ctypes.c_int
+        self._greedy.argtypes, self._greedy.restype = [_p, _i64, _p, _p, _p, _p, _p], _i64
         self._matmul = {kind: q8.address(f"{kind}_matmul") for kind in (*KINDS, PARTS)}
         self._embed_rows = q8.address("gguf_rows")
         self._argmax = {kind: q8.address(f"{kind}_matmul_argmax") for kind in KINDS}
@@ -73,32 +75,37 @@ class NativeLayers:
         self._tokens = np.empty(KEPT_SCRATCH_TOKENS, dtype=np.int64)  # decode-sized steps' greedy tokens
 
     def run(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata, kernel: str,
-            keep: torch.Tensor | None = None) -> bool:
-        """x through every layer, in place; with `keep` (row indices, ascending), x's first
+            keep: torch.Tensor | None = None, start: int = 0, pause: StepYield | None = None) -> int | None:
+        """x through layers `start`.. in place; with `keep` (row indices, ascending), x's first
         len(keep) rows are then those rows' outputs, and the last layer runs only their
-        attention and MLP. False (nothing done) where this kernel has a layer without native
-        weights, or the step does not carry the block tables."""
-        call = self._call(layers, caches, meta, kernel, x.shape[0], x.shape[1], keep)
+        attention and MLP. Returns the layers x has been through: all of them, or fewer where
+        `pause` asked the step to stop (x is then every row after those layers, to be run on
+        from there). None (nothing done) where this kernel has a layer without native weights,
+        or the step does not carry the block tables."""
+        call = self._call(layers, caches, meta, kernel, x.shape[0], x.shape[1], keep, start, pause)
         if call is None:
-            return False
+            return None
         described, step, _alive, _ = call
-        if self._run(described, len(layers), ctypes.byref(step), x.data_ptr()):
+        done = self._run(described, len(layers), ctypes.byref(step), x.data_ptr())
+        if done < 0:
             raise MemoryError("decoder_layers: a matmul could not allocate its activation buffer")
-        return True
+        return done
 
     def run_greedy(self, model, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                   kernel: str, keep: torch.Tensor | None = None) -> list[int] | None:
+                   kernel: str, keep: torch.Tensor | None = None,
+                   pause: StepYield | None = None) -> list[int] | Paused | None:
         """The greedy token of each row in `keep` (or of every row) of `model` (a DecoderModel whose
         LM head has a native packing for `kernel`), from its embedding rows of `input_ids` to the
-        head's argmax, in one call; every row's K and V go to the caches. None (nothing done)
-        where `run` would return False."""
+        head's argmax, in one call; every row's K and V go to the caches. Paused where `pause`
+        stopped it between layers: every row's hidden state then, to be run on by `run`. None
+        (nothing done) where `run` would return None."""
         hidden = model.embed.hidden
         if model.embed.table is None:
             return None
-        call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep)
+        call = self._call(model.layers, caches, meta, kernel, len(input_ids), hidden, keep, 0, pause)
         if call is None:
             return None
-        described, step, _alive, x = call
+        described, step, alive, x = call
         ends, owner = self._ends.get(kernel, (None, None))
         if owner is None or owner() is not model:
             head = model.lm_head.packed(kernel)
@@ -110,13 +117,18 @@ class NativeLayers:
             self._ends[kernel] = (ends, weakref.ref(model))
         rows = len(input_ids) if keep is None else len(keep)
         tokens = self._tokens if rows <= len(self._tokens) else np.empty(rows, dtype=np.int64)
-        if self._greedy(described, len(model.layers), ctypes.byref(ends), ctypes.byref(step), input_ids.data_ptr(),
-                        x, tokens.ctypes.data):
+        done = self._greedy(described, len(model.layers), ctypes.byref(ends), ctypes.byref(step),
+                            input_ids.data_ptr(), x, tokens.ctypes.data)
+        if done < 0:
             raise MemoryError("decoder_greedy: a matmul could not allocate its activation buffer")
+        if done < len(model.layers):  # x lives in the scratch, which the next step reuses: copied out
+            scratch = alive[0]
+            at = (x - scratch.data_ptr()) // scratch.element_size()
+            return Paused(scratch[at:at + len(input_ids) * hidden].view(len(input_ids), hidden).clone(), done)
         return tokens[:rows].tolist()
 
     def _call(self, layers: list, caches: list[KVCache], meta: AttentionMetadata, kernel: str, tokens: int,
-              hidden: int, keep: torch.Tensor | None):
+              hidden: int, keep: torch.Tensor | None, start: int, pause: StepYield | None):
         """(the layers' descriptors, the step, what must stay alive until the call returns, the
         address of the scratch's rows for x (decoder_greedy's)), or None where this kernel has a
         layer without native weights, or the step does not carry the block tables."""
@@ -139,7 +151,8 @@ class NativeLayers:
             kept = (len(keep), keep.data_ptr(), kept_positions.data_ptr(), kept_table_rows.data_ptr())
         step = _Step(tokens, hidden, meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.tables.data_ptr(),
                      meta.table_rows.data_ptr(), meta.tables.shape[1], meta.block_size, *kept, *rows[:-1],
-                     self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads())
+                     self._parallel, ISAS.index(self.q8.isa), torch.get_num_threads(), start,
+                     pause.flag_address if pause is not None else None, pause.deadline_ns() if pause is not None else 0)
         return described, step, alive, rows[-1]
 
     def _scratch(self, first, tokens: int, hidden: int) -> tuple[torch.Tensor, list[int]]:

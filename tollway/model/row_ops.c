@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fast_exp.h"
 #if defined(__F16C__)
@@ -733,6 +734,12 @@ typedef struct {
     float *normed, *qkv, *qk, *attn, *h, *gate_up, *act;
     parallel_fn parallel;
     int32_t isa, threads;
+    /* A step may stop between two layers, to be run on from there by a later call: it starts at
+       first_layer, and stops after a layer once *yield_flag is non-zero (another thread sets it:
+       a fast request arrived) or CLOCK_MONOTONIC has passed yield_at_ns (0: never). */
+    int64_t first_layer;
+    const int32_t *yield_flag;  /* or NULL */
+    int64_t yield_at_ns;
 } step;
 
 /* The model's two ends, for a greedy step run whole in one call (decoder_greedy): the embedding
@@ -820,17 +827,28 @@ static void keep_rows(float *a, int64_t width, const int64_t *keep, int64_t kept
         if (keep[k] != k) memcpy(a + k * width, a + keep[k] * width, (size_t)width * sizeof(float));
 }
 
-/* x [tokens, hidden] through `count` layers, in place; with s->keep, x's first s->kept rows are
-   then the kept rows' outputs. The last layer's attention, o and MLP run only for those rows:
-   the other rows only leave their K and V for later steps (a prefill samples from its last row
-   alone). Each row's result is the same either way: these operations work row by row.
-   Returns 0, or -1 when a matmul failed (its instruction set is not supported here, or memory
-   ran out). */
-int decoder_layers(const layer *layers, int64_t count, const step *all, float *x) {
+static int asked_to_yield(const step *s) {
+    if (s->yield_flag && __atomic_load_n(s->yield_flag, __ATOMIC_RELAXED)) return 1;
+    if (!s->yield_at_ns) return 0;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= s->yield_at_ns;
+}
+
+/* x [tokens, hidden] through layers s->first_layer .. count - 1, in place; with s->keep, x's
+   first s->kept rows are then the kept rows' outputs. The last layer's attention, o and MLP run
+   only for those rows: the other rows only leave their K and V for later steps (a prefill
+   samples from its last row alone). Each row's result is the same either way: these operations
+   work row by row, and only x carries anything from one layer to the next, so a step stopped
+   between layers and run on later computes the same bits.
+   Returns the layers run to (count once done; fewer where asked to yield), or -1 when a matmul
+   failed (its instruction set is not supported here, or memory ran out). */
+int64_t decoder_layers(const layer *layers, int64_t count, const step *all, float *x) {
     step kept = *all;
     kept.tokens = all->kept, kept.positions = all->kept_positions, kept.table_rows = all->kept_table_rows;
     const step *s = all;
-    for (int64_t i = 0; i < count; i++) {
+    for (int64_t i = all->first_layer; i < count; i++) {
+        if (i > all->first_layer && asked_to_yield(all)) return i;
         const layer *l = layers + i;
         int64_t d = l->head_dim;
         run_rows(OP_INPUT_NORM, l, s, x);
@@ -840,7 +858,7 @@ int decoder_layers(const layer *layers, int64_t count, const step *all, float *x
             keep_rows(s->qk, (l->heads + l->kv_heads) * d, all->keep, all->kept);
             keep_rows(x, s->hidden, all->keep, all->kept);
             s = &kept;
-            if (!s->tokens) return 0;
+            if (!s->tokens) return count;
         }
         attention_job a = {s->qk, (l->heads + l->kv_heads) * d, s->tokens, l->heads, l->kv_heads, d, l->k_cache,
                            l->v_cache, s->tables, s->table_width, s->table_rows, s->positions, s->block_size,
@@ -853,7 +871,7 @@ int decoder_layers(const layer *layers, int64_t count, const step *all, float *x
         if (run_linear(&l->down, s, s->act, s->h)) return -1;
         run_rows(OP_MLP_RESIDUAL, l, s, x);
     }
-    return 0;
+    return count;
 }
 
 /* A greedy step whole: token ids -> the embedding rows in x [tokens, hidden] -> decoder_layers ->
@@ -861,14 +879,15 @@ int decoder_layers(const layer *layers, int64_t count, const step *all, float *x
    s->keep, else all), into argmax. The same operations as the embedding gather, decoder_layers,
    rms_norm and the head's argmax called one by one from Python (decoder.py), so the same tokens:
    what goes is the Python between them, a few percent of a batch-1 step, its caches cold after
-   the head's weights. */
-int decoder_greedy(const layer *layers, int64_t count, const ends *e, const step *s, const int64_t *ids, float *x,
-                   int64_t *argmax) {
+   the head's weights. Returns as decoder_layers does (s->first_layer must be 0): where it
+   stopped early, x holds the rows after that many layers, and no token was picked. */
+int64_t decoder_greedy(const layer *layers, int64_t count, const ends *e, const step *s, const int64_t *ids,
+                       float *x, int64_t *argmax) {
     int64_t hidden = s->hidden, rows = s->keep ? s->kept : s->tokens;
     if (e->embed_rows(e->embed_type, e->embed, e->embed_row_bytes, hidden, ids, s->tokens, e->embed_scale, x, hidden))
         return -1;
-    if (decoder_layers(layers, count, s, x)) return -1;
-    if (!rows) return 0;
+    int64_t done = decoder_layers(layers, count, s, x);
+    if (done != count || !rows) return done;
     rms_norm(x, hidden, e->final_norm, e->eps, rows, hidden, s->normed);
-    return e->argmax(s->normed, hidden, rows, hidden, e->head, e->vocab, argmax, s->isa, s->threads);
+    return e->argmax(s->normed, hidden, rows, hidden, e->head, e->vocab, argmax, s->isa, s->threads) ? -1 : count;
 }

@@ -26,6 +26,7 @@ from tollway.model.layers import AttentionMetadata, KVCache, paged_attention
 from tollway.model.native.build import native_code_enabled, native_flags, start_build
 from tollway.model.native.qmatmul import Q8Library, q8_library
 from tollway.model.native_layers import ACTIVATIONS, NativeLayers, pointer
+from tollway.model.step_yield import Paused, StepYield
 from tollway.checkpoint import cache_root
 
 _SOURCE = Path(__file__).with_name("row_ops.c")
@@ -34,6 +35,7 @@ _HEADERS = (Path(__file__).with_name("fast_exp.h"),)
 
 class TorchRowOps:
     needs_views = True  # reads AttentionMetadata's gathered-key views
+    pauses = False  # a step can stop between layers (run_layers' `pause`)
     build = "torch"  # what runs a step: a step profile timed one build, and another times differently
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -68,16 +70,19 @@ class TorchRowOps:
         return act * up
 
     def run_layers(self, layers: list, x: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                   kernel: str, keep: torch.Tensor | None = None) -> bool:
-        """x through every layer in one call, in place, where this path has one; False: the
-        caller runs the layers one by one. With `keep` (row indices, ascending), x's first
-        len(keep) rows are then those rows' outputs (see native_layers.py)."""
-        return False
+                   kernel: str, keep: torch.Tensor | None = None, start: int = 0,
+                   pause: StepYield | None = None) -> int | None:
+        """x through layers `start`.. in one call, in place, where this path has one: the layers
+        it went through (fewer than all where `pause` stopped it); None: the caller runs the
+        layers one by one. With `keep` (row indices, ascending), x's first len(keep) rows are
+        then those rows' outputs (see native_layers.py)."""
+        return None
 
     def greedy_step(self, model, input_ids: torch.Tensor, caches: list[KVCache], meta: AttentionMetadata,
-                    kernel: str, keep: torch.Tensor | None = None) -> list[int] | None:
-        """model.greedy_forward's tokens in one call, where this path has one; None: the caller
-        runs forward and then the head."""
+                    kernel: str, keep: torch.Tensor | None = None,
+                    pause: StepYield | None = None) -> list[int] | Paused | None:
+        """model.greedy_forward's tokens in one call, where this path has one (Paused where
+        `pause` stopped it between layers); None: the caller runs forward and then the head."""
         return None
 
 
@@ -85,6 +90,7 @@ class NativeRowOps(TorchRowOps):
     """The same operations through row_ops.c, for float32 tensors on the CPU."""
 
     needs_views = False  # reads AttentionMetadata's block tables
+    pauses = True
 
     def __init__(self, lib: ctypes.CDLL, q8: Q8Library):
         self.build = f"{Path(lib._name).stem}+{q8.build}"
@@ -138,11 +144,11 @@ class NativeRowOps(TorchRowOps):
         self._gated(gate_up.data_ptr(), gate_up.shape[0], width, ACTIVATIONS[activation], out.data_ptr())
         return out
 
-    def run_layers(self, layers, x, caches, meta, kernel, keep=None):
-        return self._layers.run(layers, x, caches, meta, kernel, keep)
+    def run_layers(self, layers, x, caches, meta, kernel, keep=None, start=0, pause=None):
+        return self._layers.run(layers, x, caches, meta, kernel, keep, start, pause)
 
-    def greedy_step(self, model, input_ids, caches, meta, kernel, keep=None):
-        return self._layers.run_greedy(model, input_ids, caches, meta, kernel, keep)
+    def greedy_step(self, model, input_ids, caches, meta, kernel, keep=None, pause=None):
+        return self._layers.run_greedy(model, input_ids, caches, meta, kernel, keep, pause)
 
 
 def _bind(fn, *argtypes):

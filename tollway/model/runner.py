@@ -5,6 +5,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Generator
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from tollway.model.llama import LlamaModel
 from tollway.model.native.qmatmul import q8_library
 from tollway.model.row_ops import row_ops_for
 from tollway.model.sampling import native_draw, only_argmax_needed, sample, sample_greedy
+from tollway.model.step_yield import Paused, StepYield
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 
 ARCHITECTURES = {"gemma3": Gemma3Model, "llama": LlamaModel}
@@ -54,6 +56,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.draw = native_draw(cache_dir) if device.type == "cpu" else None
         self.grammars: Grammars | None = None  # the engine's, where its model has a tokenizer
+        self.step_yield = StepYield()  # asks a pausable step to stop between layers
+        self._paused: tuple[Generator, float, int] | None = None  # (the step, its seconds so far, its id)
 
     def fault_in_kv(self) -> threading.Thread | None:
         """The CPU KV pool's pages faulted in on a thread of its own, for a server: its first steps
@@ -63,20 +67,50 @@ class ModelRunner:
             return None
         return populate_in_background([t for cache in self.caches for t in (cache.k, cache.v)])
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, pausable: bool = False) -> StepResult | None:
         """Runs the step under inference mode, entered here unless the calling thread is in it
         already: a loop of steps enters it once (the server's engine thread does), for entering
         the guard every step is a measurable part of a batch-1 step, its code cold after the LM
-        head."""
-        if torch.is_inference_mode_enabled():
-            return self._execute(plan)
-        with torch.inference_mode():
-            return self._execute(plan)
-
-    def _execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
+        head. `pausable`: the step may stop between two layers where `step_yield` asks it to
+        (native layers only): None then, and `resume` runs it on; other steps may run between
+        (they must not touch its requests' KV)."""
         if plan.kernel not in self.kernels:
             raise ValueError(f"kernel {plan.kernel!r} was not loaded (loaded: {sorted(self.kernels)})")
+        if pausable and self._paused is not None:
+            raise RuntimeError(f"step {self._paused[2]} is paused: one paused step at a time")
+        return self._advance(self._run(plan, self.step_yield if pausable else None), 0.0, plan.step_id)
+
+    def resume(self) -> StepResult | None:
+        """Run the paused step on from where it stopped: its result, or None where it stopped again."""
+        if self._paused is None:
+            raise RuntimeError("no step is paused")
+        run, seconds, step_id = self._paused
+        self._paused = None
+        return self._advance(run, seconds, step_id)
+
+    @property
+    def paused_step(self) -> int | None:
+        """The id of the step paused between layers, if one is."""
+        return self._paused[2] if self._paused is not None else None
+
+    def _advance(self, run: Generator[None, None, StepResult], seconds: float, step_id: int) -> StepResult | None:
+        """Run a step until it ends or pauses; its seconds are the time spent in it, not between."""
+        start = time.perf_counter()
+        try:
+            if torch.is_inference_mode_enabled():
+                next(run)
+            else:
+                with torch.inference_mode():
+                    next(run)
+        except StopIteration as ended:
+            result = ended.value
+            result.seconds = seconds + time.perf_counter() - start
+            return result
+        self._paused = (run, seconds + time.perf_counter() - start, step_id)
+        return None
+
+    def _run(self, plan: StepPlan, pause: StepYield | None) -> Generator[None, None, StepResult]:
+        """The step, yielding each time its layers stop between two (only where `pause` is given)."""
         # Decodes first so they form one contiguous, batched group of rows.
         seqs = sorted(plan.seqs, key=lambda s: not s.is_decode)
         self.model.cover_positions(max(s.context_len for s in seqs))
@@ -85,9 +119,17 @@ class ModelRunner:
         rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
         keep = None if len(rows) == len(input_ids) else long_tensor(rows, self.device)
         greedy = bool(sampled) and only_argmax_needed(sampled)
-        argmax = self.model.greedy_forward(input_ids, self.caches, meta, plan.kernel, keep) if greedy else None
-        if argmax is None:
-            hidden = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep)
+        out = self.model.greedy_forward(input_ids, self.caches, meta, plan.kernel, keep, pause) if greedy else None
+        if out is None:
+            out = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep, pause)
+        while isinstance(out, Paused):
+            yield
+            out = self.model.resume(out, positions, self.caches, meta, plan.kernel, keep, pause)
+        argmax = hidden = None
+        if isinstance(out, list):
+            argmax = out
+        else:
+            hidden = out
             argmax = self.model.greedy_tokens(hidden, plan.kernel) if greedy else None
         tokens, own = {}, {}
         if sampled:
@@ -103,7 +145,7 @@ class ModelRunner:
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - start, own)
+        return StepResult(plan.step_id, tokens, 0.0, own)  # its seconds are _advance's
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         dev, bs = self.device, self.block_size

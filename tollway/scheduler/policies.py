@@ -155,10 +155,11 @@ class Lanes(Policy):
     def time_target(self, now):
         """The fast target while fast work is about, planned at the p98 overrun so that 95% of
         measured steps meet it (at the p97, 94% did in lanes.py: fast steps miss by more than
-        the steps around them); else standard's SLO at the p90 overrun, and, while the fast
-        lane is warm, half of fast's TTFT target: a fast request arriving mid-step waits for
-        that step. Rarer overruns are this machine's hiccups (steps taking 2-3x for reasons
-        outside the plan): planning for them would shrink every step and could not prevent them."""
+        the steps around them); else standard's SLO at the p90 overrun, and half of fast's TTFT
+        target for the wait of a fast request that arrives mid-step: for one layer of the step
+        where steps stop between layers for it, else for the whole step while the fast lane is
+        warm. Rarer overruns are this machine's hiccups (steps taking 2-3x for reasons outside
+        the plan): planning for them would shrink every step and could not prevent them."""
         s = self.s
         if s.step_model is None:
             return None
@@ -167,7 +168,10 @@ class Lanes(Policy):
             self._fast_seen = now
             return TimeTarget(fast.tpot_target, 0.98, "fast") if fast.tpot_target else None
         targets = [TimeTarget(standard.tpot_target, 0.9, "standard")] if standard.tpot_target else []
-        if fast.ttft_target and fast.warm_for and self._fast_seen is not None and now - self._fast_seen <= fast.warm_for:
+        layers = s.config.pause_layers
+        if fast.ttft_target and layers:
+            targets.append(TimeTarget(fast.ttft_target / 2 * layers, 0.97, "fast"))
+        elif fast.ttft_target and fast.warm_for and self._fast_seen is not None and now - self._fast_seen <= fast.warm_for:
             targets.append(TimeTarget(fast.ttft_target / 2, 0.97, "fast"))
         return min(targets) if targets else None
 

@@ -75,6 +75,11 @@ class Scheduler:
         self._counter = 0
         self._step_id = 0
         self._in_flight: dict[str, Request] | None = None  # the latest plan's, until committed
+        self._in_flight_step = 0  # that plan's step id
+        # A plan whose step stopped partway (suspend), with its step id, and the requests of it
+        # that finished meanwhile: their blocks are freed once its step has ended writing them.
+        self._suspended: tuple[int, dict[str, Request]] | None = None
+        self._release_after_suspended: list[Request] = []
         self._decode_shape: StepShape | None = None  # the running requests' decode step (lanes)
 
     # ---- requests in and out ------------------------------------------------------------
@@ -88,7 +93,7 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if request.tier not in self.tiers:
             raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
-        if rid in self._entries:
+        if rid in self._entries or any(r.request_id == rid for r in self._release_after_suspended):
             raise ValueError(f"request id {rid!r} is already in use")
         check_prompt_length(num_prompt, self.config.context_limit())
         if num_prompt >= self.max_len(request.tier):
@@ -178,15 +183,38 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
 
+    def suspend(self) -> None:
+        """The plan in flight stopped partway (its step paused between layers): until resume(),
+        plans may be made and committed beside it. They take only fast requests that are not in
+        it, and preempt none of its requests; one of its requests that finishes meanwhile (an
+        abort) keeps its blocks until the suspended plan is committed, for its step still writes
+        them."""
+        if self._in_flight is None or self._suspended is not None:
+            raise ValueError("only the plan in flight can be suspended, and one at a time")
+        self._suspended, self._in_flight = (self._in_flight_step, self._in_flight), None
+
+    def resume(self) -> None:
+        """The suspended plan is again the one in flight, to be committed next."""
+        if self._suspended is None or self._in_flight:  # an empty plan beside it needs no commit
+            raise ValueError("nothing is suspended, or a plan beside it is still in flight")
+        (self._in_flight_step, self._in_flight), self._suspended = self._suspended, None
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended is not None
+
     def plan(self) -> StepPlan:
         self._step_id += 1
         self._in_flight = {}
+        self._in_flight_step = self._step_id
         self._decode_shape = None  # built again by the policy when it caps admission (Lanes.may_admit_decode)
         now = self.clock()
         self._begin_plan(now)
         step = StepBudget(self, self.policy.time_target(now), self._fast_decoding())
         preempted: list[str] = []
         for kind, requests, group in self.policy.phases(now):
+            if self._suspended is not None:
+                requests = [r for r in requests if self.policy.fast_lane(r.tier) and r.request_id not in self._suspended[1]]
             if kind == "run":
                 for request in self._run_order(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
@@ -204,8 +232,8 @@ class Scheduler:
         finished: every reason to finish is decided here, a stop string or a grammar by `stop_check`)."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
-        if plan.step_id != self._step_id or self._in_flight is None:
-            raise ValueError(f"step {plan.step_id} is not the latest uncommitted plan")
+        if self._in_flight is None or plan.step_id != self._in_flight_step:
+            raise ValueError(f"step {plan.step_id} is not the uncommitted plan in flight")
         if self.step_model is not None and plan.num_seqs:
             self.step_model.observe(plan.shape, result.seconds - sum(result.own_seconds.values()))
         bs = self.pool.block_size
@@ -215,6 +243,7 @@ class Scheduler:
             request = self._in_flight[seq.request_id]
             if request.state is not RequestState.RUNNING:
                 continue  # finished or aborted while the step ran
+            request.num_steps += 1
             rid = request.request_id
             tokens = result.tokens.get(rid, []) if seq.sample else []
             if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
@@ -239,11 +268,15 @@ class Scheduler:
             if not tokens:
                 continue
             if request.first_token_time is None:
-                request.first_token_time = now
+                request.first_token_time, request.steps_to_first_token = now, request.num_steps
             if reason is not None:
                 self._finish(request, reason)
             changed.append(Change(request, request.output_token_ids[first_new:]))
         self._in_flight = None
+        if self._suspended is None:
+            for request in self._release_after_suspended:
+                self._release(request)
+            self._release_after_suspended.clear()
         self._after_commit(plan.step_id, changed, now)
         return changed
 
@@ -293,7 +326,9 @@ class Scheduler:
         """Running requests `request` may preempt for room, first choice first; only ones not
         yet in this step's plan."""
         self._before_victims()
-        others = [r for r in self._stepping.values() if r.request_id not in self._in_flight and r is not request]
+        suspended = self._suspended[1] if self._suspended is not None else {}
+        others = [r for r in self._stepping.values()
+                  if r.request_id not in self._in_flight and r.request_id not in suspended and r is not request]
         return self.policy.victims(request, others)
 
     def _reserve_against(self, tier: str) -> int:
@@ -480,7 +515,10 @@ class Scheduler:
         else:
             self.waiting[request.tier].remove(request)
             self.policy.left_queue(request)
-        self._release(request)
+        if self._suspended is not None and rid in self._suspended[1]:
+            self._release_after_suspended.append(request)
+        else:
+            self._release(request)
         del self._entries[rid]
         request.state = RequestState.FINISHED
         request.finish_reason = reason

@@ -10,6 +10,7 @@ response, which aborts its engine requests and frees their KV blocks at once.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,13 +29,15 @@ from tollway.server.keep_alive import DEFAULT_INTERVAL
 from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
 from tollway.server.service import Service, caller
+from tollway.server.tracing import Tracing
 from tollway.storage.database import Database
 
 
 def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
                meter: Meter | None = None, fleet_secret: str | None = None,
-               keep_alive: float = DEFAULT_INTERVAL, canary: CanaryConfig | None = None) -> FastAPI:
+               keep_alive: float = DEFAULT_INTERVAL, canary: CanaryConfig | None = None,
+               tracing: Tracing | None = None) -> FastAPI:
     """`metrics`, when given, must be the one feeding on `engine`'s steps; it is served at
     /metrics. `gatekeeper` checks API keys, tier entitlements and rate limits (None: open).
     `batch_dir` holds the Batch API's files and jobs: a folder, or the fleet's Database (None: no
@@ -42,8 +45,10 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     metering); /metrics and /dashboard then show its cost per lane and its budgets.
     `fleet_secret`: a fleet replica's, with which its ingress names calls (call_ids.py).
     `keep_alive`: the seconds a stream may go silent before it sends a keep-alive comment.
-    `canary`: the share of eligible traffic promoted to the fast lane (None: none)."""
-    svc = Service(engine, model_name, metrics, gatekeeper, batch_dir, meter, fleet_secret, keep_alive, canary)
+    `canary`: the share of eligible traffic promoted to the fast lane (None: none).
+    `tracing`: where each call's span goes (tracing.py; None: nowhere)."""
+    svc = Service(engine, model_name, metrics, gatekeeper, batch_dir, meter, fleet_secret, keep_alive, canary,
+                  tracing)
     runner = svc.batch_runner
 
     @asynccontextmanager
@@ -53,6 +58,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         yield
         if runner is not None:
             await runner.shutdown()
+        if tracing is not None:
+            tracing.shutdown()
 
     app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes",
                   lifespan=lifespan)
@@ -82,8 +89,9 @@ class RequestIds:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"x-request-id", b"")
         request_id = given.decode() if self._CLIENT_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
-        # For the 500 handler (errors.py), which Starlette runs outside every middleware.
-        scope.setdefault("state", {})["request_id"] = request_id
+        # For the 500 handler (errors.py), which Starlette runs outside every middleware; and when
+        # the request reached the server, before its body is read (call_timing.py).
+        scope.setdefault("state", {}).update(request_id=request_id, received=time.monotonic())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -6,6 +6,7 @@ A client that hangs up has its request withdrawn (aborted in the engine, billed 
 wherever it was: being admitted, queued, running, or streaming."""
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from tollway.config import KeySpec
 from tollway.server import errors
 from tollway.server.call_ids import trusted_call_id
+from tollway.server.call_timing import CallTiming, asked_for, trace_context
 from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
 from tollway.server.errors import APIError
 from tollway.server.generation import Generation
@@ -46,20 +48,26 @@ async def chat_completions(request: Request, req: ChatCompletionRequest, key: Ke
 
 async def _serve(svc: Service, request: Request, req: CompletionRequest | ChatCompletionRequest,
                  key: KeySpec | None, tags_header: str | None, call: str | None) -> Response:
+    timing = CallTiming(request.state.received, parent=trace_context(request.headers))
     try:
-        return await unless_disconnected(request, _respond(svc, req, key, tags_header, call))
+        return await unless_disconnected(request, _respond(svc, req, key, tags_header, call, timing,
+                                                           asked_for(request.headers)))
     except ClientGone:
         return Response(status_code=499)  # nginx's "client closed request": no one reads it
 
 
 async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest, key: KeySpec | None,
-                   tags_header: str | None, call: str | None) -> Response:
+                   tags_header: str | None, call: str | None, timing: CallTiming, timing_asked: bool) -> Response:
     tier = svc.gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
     sub = svc.validate(req, tags_header)
+    timing.validated = time.monotonic()
     gen, headers = await svc.start(sub, tier, key, call,
-                                   canary_eligible=svc.canary.eligible(key, sub.tags, req.service_tier))
+                                   canary_eligible=svc.canary.eligible(key, sub.tags, req.service_tier), timing=timing)
+    gen.timing_asked = timing_asked
     headers["x-request-id"] = gen.id
     if req.stream:
+        if timing_asked:  # sent before any token: the stages up to the engine's taking it
+            headers["server-timing"] = timing.server_timing([])
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = with_keep_alive(_events(svc, gen, include_usage, sub.echo), svc.keep_alive)
         return ClosingStreamingResponse(events, lambda: svc.withdraw(gen), media_type="text/event-stream",
@@ -67,6 +75,8 @@ async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest,
     body = await svc.collect(gen, sub.echo)
     if svc.meter is not None:
         headers["x-tollway-cost"] = f"{body['usage']['cost']:.10f}"
+    if timing_asked:
+        headers["server-timing"] = timing.server_timing(gen.outputs())
     return JSONResponse(body, headers=headers)
 
 

@@ -13,6 +13,7 @@ from tollway.outputs import RequestOutput
 from tollway.request import InvalidRequest
 from tollway.scheduler.scheduler import QueueFullError
 from tollway.server.call_ids import new_call_id
+from tollway.server.call_timing import CallTiming
 from tollway.server.errors import APIError
 from tollway.server.service_tier import WIRE_NAME
 from tollway.server.tools import ToolCallReader, ToolCalling
@@ -69,6 +70,9 @@ class Generation:
         self.streams: list[RequestStream] = []
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
         self._pumps: list[asyncio.Task] = []
+        self.timing: CallTiming | None = None  # set by Service.start
+        self.timing_asked = False  # the client asked for the timing back (usage.timing)
+        self.closing = False  # its end is being settled and reported (Service.withdraw)
 
     async def start(self, engine: AsyncEngine, submission: Submission) -> None:
         """Submit every choice; if any is refused, withdraw the others and raise."""
@@ -175,7 +179,19 @@ class Generation:
                  "prompt_tokens_details": {"cached_tokens": cached}}
         if self.cost is not None:
             usage |= {"cost": self.cost, "price": self.price, "engine_seconds": self.engine_seconds}
+        if self.timing_asked:
+            usage["timing"] = self.timing.summary(self.outputs())
         return usage
+
+    def outputs(self) -> list[RequestOutput]:
+        """Each choice's latest output from the engine, for those that have one."""
+        return [c.output for c in self.choices if c.output is not None]
+
+    def finish_reason(self) -> str:
+        """The choices' finish reason, or their reasons joined where they differ ("abort" for
+        one that never finished)."""
+        finish = {c.finish_reason or "abort" for c in self.choices}
+        return finish.pop() if len(finish) == 1 else ",".join(sorted(finish))
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": self._object(extra.pop("chunk", False)), "created": self.created,
@@ -194,7 +210,7 @@ def _abort_added(add: asyncio.Future) -> None:
 
 def ledger_row(gen: Generation, meter) -> LedgerRow:
     """The ledger's row for a finished (or abandoned) API call: every choice summed."""
-    outs = [c.output for c in gen.choices if c.output is not None]
+    outs = gen.outputs()
     completion = sum(c.num_tokens for c in gen.choices)
     ran = gen.scheduled_prompts()  # a prompt is billed once any of its choices was scheduled
     prompt = sum(len(gen.prompts[p]) for p in ran)
@@ -203,7 +219,6 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
     scheduled = [o.first_scheduled_time for o in outs if o.first_scheduled_time is not None]
     first_tokens = [o.first_token_time for o in outs if o.first_token_time is not None]
     seconds = meter.release(gen.request_ids(len(gen.prompts) * gen.n))  # all watched, added or not
-    finish = {c.finish_reason or "abort" for c in gen.choices}
     price = meter.price_card.billed(gen.billed_tier, prompt, completion)
     return LedgerRow(
         id=gen.id, created=gen.arrived, key=gen.key, tier=gen.tier, model=gen.model,
@@ -211,6 +226,6 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
         queue_seconds=min(scheduled) - arrival if scheduled else None,
         ttft_seconds=min(first_tokens) - arrival if first_tokens else None,
         e2e_seconds=time.time() - gen.arrived, engine_seconds=seconds, cost=meter.cost(seconds),
-        price=price, finish_reason=finish.pop() if len(finish) == 1 else ",".join(sorted(finish)), tags=gen.tags,
+        price=price, finish_reason=gen.finish_reason(), tags=gen.tags,
         canary=gen.canary, canary_cost=meter.price_card.billed(gen.tier, prompt, completion) - price,
     )

@@ -4,6 +4,7 @@ it through the `service` and `caller` dependencies."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from fastapi import Header, Request
@@ -14,6 +15,7 @@ from tollway.meter.budgets import BudgetExceeded
 from tollway.meter.meter import Meter
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
+from tollway.server.call_timing import CallTiming
 from tollway.server.canary import PROMOTED, Canary
 from tollway.server.errors import APIError
 from tollway.server.generation import Generation, ledger_row
@@ -22,6 +24,7 @@ from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.responses import final_choice
+from tollway.server.tracing import Tracing
 from tollway.server.validation import Submission, batch_line, validate
 from tollway.server.watchdog import Watchdog
 from tollway.storage.database import Database
@@ -31,9 +34,10 @@ class Service:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
                  gatekeeper: Gatekeeper | None = None, batch_dir: str | Path | Database | None = None,
                  meter: Meter | None = None, fleet_secret: str | None = None, keep_alive: float = DEFAULT_INTERVAL,
-                 canary: CanaryConfig | None = None):
+                 canary: CanaryConfig | None = None, tracing: Tracing | None = None):
         """See create_app (app.py) for what each is."""
         self.engine, self.model_name, self.metrics, self.meter = engine, model_name, metrics, meter
+        self.tracing = tracing
         self.canary = Canary(canary or CanaryConfig())
         self.keep_alive = keep_alive
         self.gatekeeper = gatekeeper or Gatekeeper([])
@@ -52,19 +56,22 @@ class Service:
         self.batch_store = BatchStore(batch_dir) if batch_dir is not None else None
         self.batch_runner = BatchRunner(self.batch_store, self.complete_in_batch_lane) \
             if self.batch_store is not None else None
-        self._settling: set[asyncio.Task] = set()  # ledger rows of withdrawn calls, being written
+        self._settling: set[asyncio.Task] = set()  # ended calls' ledger rows and timings, being written
 
     def validate(self, req, tags_header: str | None = None) -> Submission:
         return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
 
     async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None,
-                    owner: str | None = None, canary_eligible: bool = False) -> tuple[Generation, dict[str, str]]:
+                    owner: str | None = None, canary_eligible: bool = False,
+                    timing: CallTiming | None = None) -> tuple[Generation, dict[str, str]]:
         """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a
         fleet's ingress gave it; `owner`: the key's, when it came from Gatekeeper.key_of;
-        `canary_eligible`: the canary may promote it (Canary.eligible).
+        `canary_eligible`: the canary may promote it (Canary.eligible); `timing`: the marks of
+        the call so far (None: it starts now).
         Returns the call and the x-ratelimit-* headers of its key."""
         meter = self.meter
         gen = Generation(sub.kind, self.model_name, tier, call)
+        gen.timing = timing or CallTiming(time.monotonic(), validated=time.monotonic())
         gen.key, gen.tags = key.name if key else "", sub.tags
         if canary_eligible:
             gen.canary = self.canary.arm(gen.id)  # by the call's id, known only now
@@ -89,6 +96,7 @@ class Service:
             if meter is not None:
                 gen.metered = True
                 meter.watch(ids)
+            gen.timing.submitted = time.monotonic()
             await gen.start(self.engine, sub)
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError) and (gen.metered or meter is None):
@@ -115,13 +123,25 @@ class Service:
 
     def withdraw(self, gen: Generation) -> None:
         """The call ends early or has ended (its caller may be gone): abort what still runs, and
-        settle in the background once the engine has ended each abort."""
+        in the background, once the engine has ended each abort, settle it and report its timing."""
         gen.abort()
-        if gen.metered:
-            gen.metered = False
-            task = asyncio.get_running_loop().create_task(self._record(gen))
+        if not gen.closing:
+            gen.closing = True
+            task = asyncio.get_running_loop().create_task(self._close(gen))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
+
+    async def _close(self, gen: Generation) -> None:
+        if gen.metered:
+            gen.metered = False
+            await self._record(gen)
+        else:
+            await gen.ended()
+        outs, finish = gen.outputs(), gen.finish_reason()
+        gen.timing.log(gen.id, gen.tier, outs, finish)
+        if self.tracing is not None:
+            prompt_tokens = sum(len(gen.prompts[p]) for p in gen.scheduled_prompts())
+            self.tracing.export(gen.kind, gen.id, gen.tier, gen.timing, outs, prompt_tokens, finish)
 
     async def collect(self, gen: Generation, echo: bool) -> dict:
         """Run the choices to the end: the non-streaming response body."""
