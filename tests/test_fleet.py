@@ -128,7 +128,10 @@ def test_log_level_reaches_the_replicas_serve_and_the_ingress(monkeypatch, level
     monkeypatch.setattr(uvicorn, "run", lambda app, **settings: seen.update(ingress=settings))
     assert main(["serve", "--replicas", "2", "--log-level", level]) == 0
     assert seen["spec"].log_level == level
-    assert uvicorn_logging(seen["spec"].log_level) == {"log_level": level, "access_log": access_log}
+    settings = uvicorn_logging(seen["spec"].log_level)
+    assert (settings["log_level"], settings["access_log"]) == (level, access_log)
+    # each call's timing line (call_timing.py) goes with the access log
+    assert settings["log_config"]["loggers"]["tollway.access"]["level"] == ("INFO" if access_log else "WARNING")
     assert serve_logging(seen["spec"].log_level) == {"log_level": serve_level, "enable_access_log": False}
     assert (seen["ingress"]["log_level"], seen["ingress"]["access_log"]) == (level, access_log)
 

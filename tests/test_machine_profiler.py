@@ -76,8 +76,8 @@ def test_a_steps_first_cold_run_is_not_timed(make_engine, monkeypatch):
     engine = make_engine(max_num_seqs=8, num_blocks=128)
     runner, seen, execute = engine.runner, set(), engine.runner.execute
 
-    def cold_first(plan):
-        result = execute(plan)
+    def cold_first(plan, pausable=False):
+        result = execute(plan, pausable)
         if id(plan) not in seen:  # a plan's first run: as slow as a cold one at its worst
             seen.add(id(plan))
             result.seconds *= 10

@@ -124,3 +124,11 @@ def test_a_fast_request_sent_during_a_long_prefill_gets_its_first_token_before_i
 
         asyncio.run(main())
         assert firsts == ["fast", "standard"] and engine.steps_paused >= 1
+
+
+def test_with_pausing_off_a_step_runs_whole_whatever_is_asked(make_engine):
+    engine = make_engine(kernel="q8", enable_prefix_caching=False, pause_for_fast=False)
+    assert engine.scheduler.config.pause_layers == 0
+    engine.add_request(_prompts(engine, 1, 60)[0], PARAMS)
+    engine.runner.step_yield.ask()
+    assert len(engine.step()) == 1 and engine.runner.paused_step is None and engine.steps_paused == 0

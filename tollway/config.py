@@ -105,9 +105,13 @@ class SchedulerConfig:
     # speculation_min_rate stops getting them.
     speculative_tokens: int = 4
     speculation_min_rate: float = 0.25
-    # The layers a step can stop between for a fast arrival (the engine sets it where its steps
-    # run in the native layer loop: the model's layer count); 0: a step runs whole, and the lanes
-    # policy keeps steps short for a while after fast traffic instead (TierSpec.warm_for).
+    # Whether a step without fast requests stops between two layers for a fast arrival, where
+    # steps run in the native layer loop (the CPU's). Off, a fast arrival waits for the step in
+    # flight, and the lanes policy keeps steps short for a while after fast traffic instead
+    # (TierSpec.warm_for).
+    pause_for_fast: bool = True
+    # The layers a step can stop between: the engine sets it (the model's layer count) where
+    # pause_for_fast is on and its steps can stop; 0: steps run whole.
     pause_layers: int = 0
 
     def validate(self) -> None:

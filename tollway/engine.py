@@ -112,8 +112,7 @@ class Engine:
                 self.step_model = StepTimeModel.fit(samples_from_json(samples))
             bar.update()
         self.config = config
-        if self.runner.model.ops.pauses:
-            sched.pause_layers = self.model_config.num_layers
+        sched.pause_layers = self.model_config.num_layers if sched.pause_for_fast and self.runner.model.ops.pauses else 0
         self.scheduler = Scheduler(sched, self.step_model)
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
@@ -241,7 +240,8 @@ class Engine:
         """Whether the step may stop for a fast arrival: not a step fast requests are in (it is
         shaped to their target already), and only under a policy with a fast lane."""
         fast_lane = self.scheduler.policy.fast_lane
-        return fast_lane("fast") and not any(fast_lane(s.tier) for s in plan.seqs)
+        return bool(self.scheduler.config.pause_layers) and fast_lane("fast") and not any(
+            fast_lane(s.tier) for s in plan.seqs)
 
     def _beside_paused(self) -> list[RequestOutput]:
         """A step paused between layers: first a step of the fast requests not in it (the
