@@ -34,7 +34,7 @@ class BatchCreate(BaseModel):
 def batch_router(store: BatchStore, runner: BatchRunner, caller: Callable) -> APIRouter:
     router = APIRouter()
 
-    def batch_owner(key: KeySpec | None = Depends(caller)) -> str:
+    async def batch_owner(key: KeySpec | None = Depends(caller)) -> str:
         """The caller's owner_of, once its key may use the batch lane."""
         if key is not None and "batch" not in key.tiers:
             raise APIError(403, "this API key may not use the batch lane", code="tier_not_allowed")

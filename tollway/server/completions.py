@@ -28,7 +28,7 @@ from tollway.server.service_tier import tier_for
 router = APIRouter()
 
 
-def _call_id(request: Request, svc: Service = Depends(service)) -> str | None:
+async def _call_id(request: Request, svc: Service = Depends(service)) -> str | None:
     return trusted_call_id(request.headers, svc.fleet_secret)
 
 

@@ -97,6 +97,12 @@ class Gatekeeper:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return key
 
+    def in_database(self, authorization: str | None) -> bool:
+        """Whether authenticate would look this key up in the key database (I/O)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        return (not self.open and self.database is not None and scheme.lower() == "bearer" and bool(token)
+                and token not in self._keys)
+
     def authenticate_admin(self, authorization: str | None) -> KeySpec | None:
         """An admin's key, or None when the server is open; 401 without a valid key, 403 for a
         key that is not an admin's."""
