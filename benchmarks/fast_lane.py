@@ -1,12 +1,12 @@
 """Fast lane benchmark: does the fast lane keep its promise at every moment, cold bursts included,
 and what does it cost the other lanes?
 
-    python benchmarks/fast_lane.py          # the full suite: about 40 min on a quiet 2-core machine
+    python benchmarks/fast_lane.py          # the full suite: about 35 min on a quiet 2-core machine
     python benchmarks/fast_lane.py --quick  # the cold burst and long prompts, fresh only; writes benchmarks/out/
 
 Each load shape runs over HTTP against `tollway serve` on the embedded Gemma 3 270M, a server of
 its own per run: fresh (started for the run, its fast lane cold: only two standard requests have
-run) and warm (after a minute's worth of mixed traffic, fast included, just before). The shapes:
+run) and warm (after 30 s of mixed traffic, fast included, just before). The shapes:
 - cold burst: 160 streamed requests, 64 at a time, all sent at once, every 10th fast; prompts of
   130 tokens, 96 new tokens each (`ignore_eos`), the load issue 55 was filed with;
 - Poisson arrivals at 50%, 100% and 150% of capacity (capacity: the cold burst's requests per
@@ -69,7 +69,7 @@ FULL = dict(shapes=[Shape("cold burst", 160, 64, 130, 96),
                     Shape("Poisson 150%", 160, None, 130, 96, rate=1.5),
                     Shape("long prompts", 40, 16, 2048, 32, fast_every=4),
                     Shape("256 streams", 512, 256, 130, 32)],
-            states=("fresh", "warm"), policies=tuple(POLICIES), idle_runs=5, warm_seconds=60.0)
+            states=("fresh", "warm"), policies=tuple(POLICIES), idle_runs=5, warm_seconds=30.0)
 QUICK = dict(shapes=[Shape("cold burst", 160, 64, 130, 96), Shape("long prompts", 24, 8, 2048, 16, fast_every=4)],
              states=("fresh",), policies=("lanes", "lanes, no pausing", "fcfs"), idle_runs=3, warm_seconds=20.0)
 
