@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -13,6 +14,8 @@ from tollway.request import Request, SamplingParams
 from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_budget import TimeTarget
 from tollway.scheduler.step_model import StepTimeModel
+
+from tollway.server.metrics import Metrics
 
 from live_server import MODEL, running_server
 
@@ -61,24 +64,39 @@ def test_a_fast_request_runs_beside_a_paused_step_and_no_greedy_output_changes(e
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
 
-def test_a_request_aborted_while_its_step_is_paused_keeps_its_blocks_until_the_step_ends(engine):
+def test_a_request_aborted_while_its_step_is_paused_is_withdrawn_when_the_step_ends(engine):
+    """Its final output (and the freeing of its blocks) waits for the paused step, which still
+    writes its KV: so the step's share is billed to it, as of any step it was in."""
     a, b = _prompts(engine, 2, 120)
-    want = _tokens_alone(engine, b)
     pool = engine.scheduler.pool
     ids = [engine.add_request(p, PARAMS) for p in (a, b)]
     engine.runner.step_yield.ask()
     assert engine.step() == [] and engine.runner.paused_step is not None
     engine.runner.step_yield.clear()
     held = pool.num_free
-    aborted = engine.abort(ids[0])
-    assert aborted.finished and aborted.finish_reason == "abort"
-    assert pool.num_free == held  # the paused step still writes its KV
-    outs = {}
+    assert engine.abort(ids[0]) is None and engine.abort_all() == []  # both in the paused step
+    assert pool.num_free == held and engine.scheduler.get(ids[0]) is not None
+    outs = []
     while engine.has_unfinished():  # the paused step ends, though no fast request came
-        for out in engine.step():
-            outs[out.request_id] = out
-    assert ids[0] not in outs and outs[ids[1]].token_ids == want
+        outs += engine.step()
+    ended = {o.request_id: o for o in outs if o.finished}
+    assert ended[ids[0]].finish_reason == ended[ids[1]].finish_reason == "abort"
+    assert len(ended[ids[0]].token_ids) == 1  # the paused step's token, then withdrawn
     assert pool.num_free == pool.num_blocks
+
+
+def test_a_request_aborted_beside_a_paused_step_goes_at_once(engine):
+    prompt = _prompts(engine, 1, 100)[0]
+    standard = engine.add_request(prompt, PARAMS)
+    engine.runner.step_yield.ask()
+    assert engine.step() == []
+    engine.runner.step_yield.clear()
+    late = engine.add_request(prompt[::-1], PARAMS)  # waiting: not in the paused step
+    out = engine.abort(late)
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.get(standard) is None
 
 
 def test_steps_are_sized_for_one_layer_to_fit_half_the_fast_ttft_target(engine):
@@ -104,7 +122,7 @@ def test_a_fast_request_sent_during_a_long_prefill_gets_its_first_token_before_i
     engine = make_engine(kernel="q8", enable_prefix_caching=False, max_num_batched_tokens=2048)
     long, short = _prompts(engine, 1, 2048)[0], _prompts(engine, 1, 30)[0]
     assert len(long) == 2048
-    for details in running_server(engine):
+    for details in running_server(engine, Metrics(MODEL)):
         firsts: list[str] = []
 
         async def call(client, name: str, prompt: list[int], tier: str) -> None:
@@ -124,6 +142,8 @@ def test_a_fast_request_sent_during_a_long_prefill_gets_its_first_token_before_i
 
         asyncio.run(main())
         assert firsts == ["fast", "standard"] and engine.steps_paused >= 1
+        metrics = httpx.get(details["url"] + "/metrics").text
+        assert f'tollway:steps_paused_total{{model_name="{MODEL}"}} {float(engine.steps_paused)}' in metrics
 
 
 def test_with_pausing_off_a_step_runs_whole_whatever_is_asked(make_engine):

@@ -122,6 +122,7 @@ class Engine:
         self._paused_plan: StepPlan | None = None  # the plan of the step paused between layers
         self._fast_turn = False  # beside a paused step: a fast step goes next (else the paused step)
         self.steps_paused = 0  # steps that stopped for a fast arrival
+        self._abort_after_paused: set[str] = set()  # requests of the paused step withdrawn meanwhile
         # The file's metadata (a vocabulary's strings) goes before the heap is trimmed: what the
         # engine keeps of a load is its tensors.
         del loaded, tokenizer
@@ -167,14 +168,22 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Withdraw an unfinished request, waiting or running: its blocks and slot are freed
         now. Returns its final output (finish_reason "abort"), which ends it as a finish would;
-        None if no unfinished request has this id (it finished already, or was never added)."""
+        None if no unfinished request has this id (it finished already, or was never added).
+        A request in a step paused between layers is withdrawn once that step ends (None now;
+        its final output comes with the step's): the step still writes its KV, and its share
+        of the step is billed to it, as of any step it was in."""
+        if self._paused_plan is not None and any(s.request_id == request_id for s in self._paused_plan.seqs) \
+                and self.scheduler.get(request_id) is not None:
+            self._abort_after_paused.add(request_id)
+            return None
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
         return self._output(request, [], time.monotonic())
 
     def abort_all(self) -> list[RequestOutput]:
-        return [self.abort(request_id) for request_id in self.scheduler.request_ids()]
+        """abort() of every unfinished request: the final outputs of those withdrawn now."""
+        return [out for out in map(self.abort, self.scheduler.request_ids()) if out is not None]
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running, or a paused step to end (its requests may all have been
@@ -270,7 +279,9 @@ class Engine:
         self.scheduler.resume()
         plan, self._paused_plan = self._paused_plan, None
         self.last_plan = plan
-        return self._commit(plan, result)
+        outputs = self._commit(plan, result)
+        withdrawn, self._abort_after_paused = self._abort_after_paused, set()
+        return outputs + [out for out in map(self.abort, sorted(withdrawn)) if out is not None]
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.last_result = result

@@ -172,7 +172,10 @@ class _EngineCollector:
                                       "takes, and stretches of KV held with no request (the watchdog's).",
                                       labels=["model_name"])
         stalled.add_metric([self.model], self.watchdog.stalls)
-        return [running, waiting, kv, stalled]
+        paused = CounterMetricFamily("tollway:steps_paused", "Steps stopped between layers for a fast arrival.",
+                                     labels=["model_name"])
+        paused.add_metric([self.model], self.engine.engine.steps_paused)  # an int the engine thread bumps
+        return [running, waiting, kv, stalled, paused]
 
 
 class _MeterCollector:
