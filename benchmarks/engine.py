@@ -65,8 +65,8 @@ def read_buffer() -> torch.Tensor:
 
 def read_gb_s(src: torch.Tensor, repeats: int) -> float:
     """Reading alone, the best of `repeats`: what streaming the weights through a decode step needs.
-    The native read loop where the kernels build (torch's sum read 0.75x its bandwidth on 2 threads
-    of a Zen 4 EPYC, below what the kernels themselves stream at)."""
+    The native read loop where the kernels build: torch's sum reads well below it, and below what
+    the kernels themselves stream at (benchmarks/README.md, gguf_kernels.py)."""
     lib = q8_library()
     if lib is not None:
         return lib.read_peak(src, repeats) / 1e9

@@ -165,7 +165,7 @@ class Service:
 
 
 # The dependencies are async: FastAPI runs a plain `def` one on a worker thread, a hop each that a
-# burst of calls queued for (a burst of 64 calls: 160 ms before a fast one had passed them, 60 ms since).
+# burst of calls queues for, fast ones too (benchmarks/README.md, fast_lane.py, has the figures).
 async def service(request: Request) -> Service:
     """The app's Service, for a route's Depends."""
     return request.app.state.service

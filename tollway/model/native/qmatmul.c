@@ -1495,9 +1495,9 @@ int64_t q8_peak(int isa, int64_t iters, int threads) {
     return isa == ISA_AVX512VNNI ? iters * 12 * 64 : iters * 6 * 32;
 }
 
-/* What the machine's cores can read: each thread sums its share of `buf` in wide words. torch's
-   sum of a float32 tensor on 2 threads read 25-27 GB/s where this loop read 34-36 (a Zen 4 EPYC),
-   and a decode step's kernels 33: against torch's figure they seemed to beat the memory. */
+/* What the machine's cores can read: each thread xors its share of `buf` in wide words. A
+   torch sum on the same threads reads well below this (benchmarks/README.md has the figures), so
+   the one-row kernels, measured against it, seemed to beat the memory. */
 typedef struct { const uint64_t *buf; int64_t words; atomic_ullong sink; } read_job;
 
 static void read_part(void *ctx, int part, int parts) {
