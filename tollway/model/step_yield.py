@@ -27,10 +27,6 @@ class StepYield:
         self._flag.value = 0
 
     @property
-    def asked(self) -> bool:
-        return bool(self._flag.value)
-
-    @property
     def flag_address(self) -> int:
         return ctypes.addressof(self._flag)
 

@@ -199,10 +199,6 @@ class Scheduler:
             raise ValueError("nothing is suspended, or a plan beside it is still in flight")
         (self._in_flight_step, self._in_flight), self._suspended = self._suspended, None
 
-    @property
-    def suspended(self) -> bool:
-        return self._suspended is not None
-
     def plan(self) -> StepPlan:
         self._step_id += 1
         self._in_flight = {}
