@@ -1,7 +1,9 @@
-"""The dashboard's batch-economics curve on the real engine: does a token get cheaper as steps
-grow? `tollway serve` on the embedded default model under closed-loop loads of 1, 4, 16, 32 and 64
-streams, one after the other; then the live /dashboard/data bins (engine seconds per token of each
-step, median per size bin) and a screenshot of the chart in headless Chromium.
+"""The dashboard's batch-economics curve on the real engine, under mixed lanes: does a generated
+token get cheaper as more sequences decode together? `tollway serve` on the embedded default
+model under closed-loop loads of 1, 4, 16, 32 and 64 streams, one after the other, about 15% of
+the streams fast and 10% batch; then the live /dashboard/data (each step's time split by the
+step model: the decodes' part per generated token, median per decode batch size bin; prefill's
+part per prompt token apart) and a screenshot of the chart in headless Chromium.
 
     python benchmarks/dashboard_economics.py          # about 4 min on a 2-core machine
     python benchmarks/dashboard_economics.py --quick  # 1 and 4 streams; writes benchmarks/out/ only
@@ -37,8 +39,13 @@ QUICK = dict(streams=(1, 4), requests_per_stream=2, prompt_words=60, max_tokens=
 MIN_STEPS = 20  # a bin with fewer steps is too thin to judge
 
 
+def lane_of(stream: int) -> str:
+    """The service tier a stream asks for: about 15% fast (priority), 10% batch (flex)."""
+    return "priority" if stream % 7 == 3 else "flex" if stream % 10 == 5 else "default"
+
+
 def closed_loop(url: str, streams: int, requests: int, words: int, max_tokens: int, bar: tqdm) -> None:
-    """`streams` clients, each sending `requests` completions one after another."""
+    """`streams` clients, each sending `requests` completions one after another in its lane."""
     errors: list[str] = []
 
     def client(i: int) -> None:
@@ -47,7 +54,7 @@ def closed_loop(url: str, streams: int, requests: int, words: int, max_tokens: i
                 prompt = " ".join(f"word{(i * 7919 + r * 104729 + w) % 5000}" for w in range(words))
                 reply = http.post(url + "/v1/completions", json={
                     "model": "gemma3-270m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True})
+                    "ignore_eos": True, "service_tier": lane_of(i)})
                 if reply.status_code != 200:
                     errors.append(f"{reply.status_code} {reply.text[:200]}")
                 bar.update()
@@ -108,7 +115,7 @@ def run(settings: dict, quick: bool) -> dict:
         "machine": machine_info(), "settings": settings, "economics": economics,
         "screenshot": str(picture.relative_to(ROOT / "benchmarks")) if shot else None,
         "judged_bins": bins,
-        "targets": {"cost_per_token_falls_as_steps_grow": len(bins) >= 2 and all(
+        "targets": {"decode_cost_per_token_falls_as_decode_batches_grow": len(bins) >= 2 and all(
             later < earlier for earlier, later in zip(medians, medians[1:]))},
     }
 
@@ -119,18 +126,19 @@ def markdown(r: dict, raw: str) -> str:
         f"| {b['seqs_min']}–{b['seqs_max']} | {b['steps']} | {b['seqs_mean']:.1f} | {b['median']:.1f} |"
         for b in r["economics"]["bins"])
     first, last = r["judged_bins"][0], r["judged_bins"][-1]
+    prefill = r["economics"]["prefill"]
     shot = f"\n\n![the dashboard's batch economics chart]({r['screenshot']})" if r["screenshot"] else ""
     priced = r["economics"]["unit"] == "$"
     cost, unit = ("engine time at the meter's price", "$") if priced else ("engine seconds", "engine s")
     return f"""Measured {r['date'][:10]} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; {', '.join(m['isa_flags'])}). Raw: `{raw}`.
 
-`tollway serve` on the default model, closed loops of {', '.join(map(str, r['settings']['streams']))} streams one after another ({r['settings']['requests_per_stream']} requests each, {r['settings']['max_tokens']} new tokens). The live dashboard's bins: each step's {cost} over its tokens (prompt and output), per million tokens, median per step-size bin (bins with at least {MIN_STEPS} steps are judged):
+`tollway serve` on the default model, closed loops of {', '.join(map(str, r['settings']['streams']))} streams one after another ({r['settings']['requests_per_stream']} requests each, {r['settings']['max_tokens']} new tokens), about 15% of the streams fast and 10% batch. The live dashboard splits each step's {cost} by the step model: the decodes' part over the tokens they generated (accepted drafts included), per million, median per bin of sequences decoding together (bins with at least {MIN_STEPS} steps are judged); prefill's part over its prompt tokens, apart:
 
-| sequences in the step | steps | mean sequences | median {unit} per 1M tokens |
+| sequences decoding in the step | steps | mean sequences | median {unit} per 1M generated tokens |
 |---|---|---|---|
 {rows}
 
-A token in a {last['seqs_min']}–{last['seqs_max']}-sequence step costs {last['median'] / first['median']:.2f}x one in a {first['seqs_min']}–{first['seqs_max']}-sequence step.{shot}
+A generated token in a {last['seqs_min']}–{last['seqs_max']}-sequence decode costs {last['median'] / first['median']:.2f}x one decoded alone. A prompt token costs {prefill['median']:.1f} {unit} per 1M (median over {prefill['steps']} steps); prefill took {prefill['share']:.0%} of the engine's time, and {r['economics']['unsplit']} steps could not be split.{shot}
 
 {targets_line(r['targets'])}"""
 

@@ -156,6 +156,7 @@ def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traff
         capped_marks = view.eval_on_selector_all("#seqs-chart rect[fill='#ff5d5d']", "rs => rs.length")
         budget_bars = view.eval_on_selector_all("#budgets-chart rect:not(.track)", "rs => rs.length")
         steps_drawn = view.eval_on_selector_all("#economics-chart circle", "cs => cs.length")
+        prefill_lines = view.eval_on_selector_all("#economics-chart line.prefill", "ls => ls.length")
         view.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     assert problems == {"errors": [], "elsewhere": [], "failed": []}
     # The numbers move between two reads while traffic runs.
@@ -173,7 +174,7 @@ def test_the_dashboard_renders_live_mixed_lane_traffic_in_chromium(server, traff
         assert panel["svgs"], panel["name"]
         for svg in panel["svgs"]:
             assert svg["w"] > 150 and svg["h"] > 40 and svg["shapes"] >= 2 and svg["text"], panel
-    assert capped_marks > 0 and budget_bars == 2 and steps_drawn > 10
+    assert capped_marks > 0 and budget_bars == 2 and steps_drawn > 10 and prefill_lines == 1
 
 
 def test_live_figures_agree_with_metrics_and_the_meter(server, traffic):
@@ -198,11 +199,15 @@ def test_live_figures_agree_with_metrics_and_the_meter(server, traffic):
     billed = sum(row.price for row in meter.ledger.rows())
     assert burn["key:user:daily"]["spent"] == pytest.approx(billed) == burn["tag:team=search:monthly"]["spent"]
     assert billed > 0 and burn["key:user:daily"]["limit"] == 0.002
-    # Batch economics: every retained step in exactly one size bin, bins in size order.
-    bins = d["economics"]["bins"]
-    assert sum(b["steps"] for b in bins) == min(d["totals"]["steps"], MAX_STEPS)
+    # Batch economics: every retained step that decoded in exactly one size bin, bins in size
+    # order; the step model split every step, and prefill took some of the engine's time.
+    e = d["economics"]
+    bins = e["bins"]
+    assert e["steps"] == min(d["totals"]["steps"], MAX_STEPS) and e["unsplit"] == 0
+    assert 0 < sum(b["steps"] for b in bins) < e["steps"]  # some steps only prefilled
     assert [b["seqs_max"] for b in bins] == sorted(b["seqs_max"] for b in bins) and all(b["median"] > 0 for b in bins)
-    assert all(any(b["seqs_min"] <= s <= b["seqs_max"] for b in bins) for s, _ in d["economics"]["points"])
+    assert all(any(b["seqs_min"] <= s <= b["seqs_max"] for b in bins) for s, _ in e["points"])
+    assert e["prefill"]["median"] > 0 and 0 < e["prefill"]["share"] < 1
     assert max(d["timeline"]["seqs"]) <= 8 and 0 <= d["kv_usage"] <= 1
     assert d["prefix_cache"]["hits"] > 0 or d["prefix_cache"]["queried"] == 0
 

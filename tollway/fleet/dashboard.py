@@ -10,8 +10,8 @@ Merged exactly wherever the parts allow it:
   percentiles: a percentile of percentiles is not the fleet's.
 - the charts over time add up each time bin's steps; a replica with no step in a bin keeps the
   queues and KV use of its latest one.
-- the batch economics' median cost per step size would need every step: those medians stay
-  per replica (economics.by_replica), one line each on the page.
+- the batch economics' medians (decode cost per decode batch size, prefill's cost) would need
+  every step: they stay per replica (economics.by_replica), one line each on the page.
 A replica that does not answer (dead, or failing) is listed with its state and no figures, and
 its figures leave the totals, as its series leave /metrics.
 
@@ -85,7 +85,9 @@ def merge(replicas: list[ReplicaState], bodies: dict[int, dict]) -> dict:
         "timeline": _timeline(parts, blocks),
         "economics": {"unit": first["economics"]["unit"], "steps": sum(p["economics"]["steps"] for p in parts),
                       "points": [pt for p in parts for pt in p["economics"]["points"]],
-                      "by_replica": [{"replica": i, "bins": p["economics"]["bins"]} for i, p in bodies.items()]},
+                      "unsplit": sum(p["economics"]["unsplit"] for p in parts),
+                      "by_replica": [{"replica": i, "bins": p["economics"]["bins"], "prefill": p["economics"]["prefill"]}
+                                     for i, p in bodies.items()]},
         "budgets": first["budgets"],  # the ledger is the fleet's: every replica reads the same burn
         "canary": first.get("canary"),  # read from the same shared ledger too
         "replicas": [_replica(r, bodies.get(r.index)) for r in replicas],

@@ -54,6 +54,11 @@ class ScheduledSeq(NamedTuple):
     def is_decode(self) -> bool:
         return self.num_new == 1 and self.start_pos > 0
 
+    @property
+    def is_generation(self) -> bool:
+        """Past its prompt: one new token to sample, with or without drafts to verify."""
+        return self.sample and self.start_pos > 0 and self.num_new == self.num_draft + 1
+
     def check(self, step_id: int, tokens: list[SampledToken]) -> None:
         """That a step's result for this sequence is its accepted drafts, then one token."""
         if not 1 <= len(tokens) <= self.num_draft + 1:

@@ -54,9 +54,10 @@ class StepShape(NamedTuple):
     chunks: int = 0  # sequences with more than one new token (prefill chunks, draft checks)
 
     @classmethod
-    def of(cls, plan) -> StepShape:
+    def of(cls, plan, seqs=None) -> StepShape:
+        """The plan's shape, or that of `seqs` (some of its sequences) alone."""
         tokens = sampled = chunks = pairs = 0
-        for s in plan.seqs:
+        for s in plan.seqs if seqs is None else seqs:
             n = s.num_new
             tokens, sampled, chunks = tokens + n, sampled + s.num_logit_rows, chunks + (n > 1)
             pairs += attention_pairs(s.start_pos, n)

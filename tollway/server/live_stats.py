@@ -12,9 +12,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tollway.bench.stats import percentile
 from tollway.config import TIERS
+from tollway.scheduler.step_model import StepShape
 
 WINDOW = 60.0  # seconds: the figures per lane, the prefix-cache hit rate, the rates
 HISTORY = 120.0  # seconds: the charts over time
@@ -22,6 +24,29 @@ MAX_STEPS = 16384  # ~20 min of CPU steps, ~2 min of GPU ones: the batch economi
 MAX_SAMPLES = 4096  # latency samples kept per tier and kind
 HISTORY_BINS = 480  # points per chart over time, whatever the step rate
 ECONOMICS_POINTS = 400  # latest steps drawn one by one on the batch economics plot
+
+
+class StepSplit(NamedTuple):
+    """A step's work in two parts: sequences generating (one token each, maybe with drafts to
+    verify) and prompt chunks, with the generating part's share of the step's time."""
+
+    decode_seqs: int
+    decode_tokens: int  # the tokens they generated, accepted drafts included
+    prefill_tokens: int
+    decode_share: float | None  # None: a step with both, and no step model to split it
+
+    @classmethod
+    def of(cls, plan, result, model) -> StepSplit:
+        """The decodes' share is what the step model predicts for them alone: a step's fixed
+        cost (reading the weights) is theirs, and prefill pays what it adds to the step."""
+        decodes = [s for s in plan.seqs if s.is_generation]
+        generated = sum(len(result.tokens.get(s.request_id, ())) for s in decodes)
+        prefill = sum(s.num_new for s in plan.seqs if not s.is_generation)
+        share = 1.0 if not prefill else 0.0 if not decodes else None
+        if share is None and model is not None:
+            whole = model.predict(StepShape.of(plan))
+            share = min(1.0, model.predict(StepShape.of(plan, decodes)) / whole) if whole > 0 else None
+        return cls(len(decodes), generated, prefill, share)
 
 
 @dataclass(frozen=True)
@@ -39,6 +64,7 @@ class StepSample:
     tier_finished: tuple[int, ...]  # per tier: requests that finished in this step (aborts aside)
     prefix_queried: int  # prompt tokens of requests that got their first token in this step
     prefix_hits: int  # of those, found in the prefix cache
+    split: StepSplit
 
 
 class LiveStats:
@@ -87,7 +113,8 @@ class LiveStats:
             now, len(plan.seqs), plan.num_tokens, result.seconds, plan.capped_by,
             held.kv_usage, tuple(held.running[t] for t in TIERS), tuple(held.waiting[t] for t in TIERS),
             tuple(tokens[t] for t in TIERS), tuple(b - a for a, b in zip(self._charged, charged)),
-            tuple(finished[t] for t in TIERS), queried, hits)
+            tuple(finished[t] for t in TIERS), queried, hits,
+            StepSplit.of(plan, result, engine.scheduler.step_model))
         self._charged = charged
         with self._lock:
             self._steps.append(sample)
@@ -185,17 +212,35 @@ def _quantiles(values: list[float]) -> dict[str, float | None]:
 
 
 def _economics(steps: list[StepSample], price_per_second: float | None) -> dict:
-    """Cost per million tokens of each step (its seconds over its tokens), against its
-    sequences: binned by powers of two (1, 2, 3-4, 5-8, ...), median per bin. In dollars when
-    the meter gives a price, else in engine seconds."""
+    """What a generated token costs against how many sequences generate together, with prefill
+    apart: a step's time split by the step model (StepSplit), the decodes' part over the tokens
+    they generated, per million, binned by decode sequences in powers of two (1, 2, 3-4, 5-8,
+    ...) with the median per bin; the prefill part over its prompt tokens. Mixing the two
+    would price a step by what it happened to carry: a one-sequence step with accepted drafts
+    looks cheap, a mid-size one with a prompt chunk dear. In dollars when the meter gives a
+    price, else in engine seconds."""
     scale = (price_per_second if price_per_second is not None else 1.0) * 1e6
     per_bin: dict[int, list[float]] = {}
     seqs: dict[int, list[int]] = {}
+    points, prefill, split_seconds, prefill_seconds = [], [], 0.0, 0.0
     for s in steps:
-        b = math.ceil(math.log2(s.seqs))
-        per_bin.setdefault(b, []).append(s.seconds / s.tokens * scale)
-        seqs.setdefault(b, []).append(s.seqs)
+        d = s.split
+        if d.decode_share is None:
+            continue
+        split_seconds += s.seconds
+        prefill_seconds += s.seconds * (1 - d.decode_share)
+        if d.prefill_tokens:
+            prefill.append(s.seconds * (1 - d.decode_share) / d.prefill_tokens * scale)
+        if d.decode_tokens:
+            cost = s.seconds * d.decode_share / d.decode_tokens * scale
+            b = math.ceil(math.log2(d.decode_seqs))
+            per_bin.setdefault(b, []).append(cost)
+            seqs.setdefault(b, []).append(d.decode_seqs)
+            points.append([d.decode_seqs, cost])
     bins = [{"seqs_min": 2 ** (b - 1) + 1 if b else 1, "seqs_max": 2 ** b, "steps": len(v),
              "seqs_mean": sum(seqs[b]) / len(v), "median": percentile(v, 0.5)} for b, v in sorted(per_bin.items())]
-    points = [[s.seqs, s.seconds / s.tokens * scale] for s in steps[-ECONOMICS_POINTS:]]
-    return {"unit": "$" if price_per_second is not None else "s", "steps": len(steps), "bins": bins, "points": points}
+    return {"unit": "$" if price_per_second is not None else "s", "steps": len(steps), "bins": bins,
+            "points": points[-ECONOMICS_POINTS:],
+            "prefill": {"steps": len(prefill), "median": percentile(prefill, 0.5),
+                        "share": prefill_seconds / split_seconds if split_seconds else None},
+            "unsplit": sum(s.split.decode_share is None for s in steps)}
