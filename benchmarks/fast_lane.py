@@ -12,7 +12,11 @@ run) and warm (after 30 s of mixed traffic, fast included, just before). The sha
 - Poisson arrivals at 50%, 100% and 150% of capacity (capacity: the cold burst's requests per
   second under fcfs, measured first), 10% fast;
 - long prompts: standard requests with 2,048-token prompts, 16 at a time, beside fast ones;
-- 256 concurrent standard streams, beside fast ones.
+- 256 concurrent standard streams, beside fast ones;
+- a Batch API job of 1,000 lines (130-token prompts, 32 new tokens), submitted just before
+  live traffic at 50% of capacity; its tokens count in the total;
+- one fast request after 10 idle minutes (real ones: the server has no clock to skip them),
+  on a warm server, under lanes only (one request: no throughput to compare).
 Each runs under three policies: `lanes` (fast steps beside a paused step), `lanes` with
 `pause_for_fast = false` (a fast arrival waits for the step in flight; the warm cap keeps steps
 short for a minute after fast traffic) and `fcfs` (one queue: the throughput a load gets with no
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -39,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -61,6 +68,10 @@ class Shape:
     fast_every: int = 10  # every n-th request is fast
     fast_prompt_tokens: int = 130
     rate: float | None = None  # share of capacity (open loop)
+    batch_lines: int = 0  # a Batch API job of this many lines, submitted just before, runs beside
+    idle_before: float = 0.0  # seconds the server sits idle after its past (warm-up), before the load
+    policies: tuple[str, ...] | None = None  # None: every policy of the run
+    states: tuple[str, ...] | None = None  # None: every state of the run
 
 
 FULL = dict(shapes=[Shape("cold burst", 160, 64, 130, 96),
@@ -68,10 +79,17 @@ FULL = dict(shapes=[Shape("cold burst", 160, 64, 130, 96),
                     Shape("Poisson 100%", 160, None, 130, 96, rate=1.0),
                     Shape("Poisson 150%", 160, None, 130, 96, rate=1.5),
                     Shape("long prompts", 40, 16, 2048, 32, fast_every=4),
-                    Shape("256 streams", 512, 256, 130, 32)],
+                    Shape("256 streams", 512, 256, 130, 32),
+                    Shape("Batch job", 120, None, 130, 96, rate=0.5, batch_lines=1000),
+                    Shape("after 10 idle minutes", 1, 1, 130, 96, fast_every=1, idle_before=600.0,
+                          policies=("lanes",), states=("warm",))],
             states=("fresh", "warm"), policies=tuple(POLICIES), idle_runs=5, warm_seconds=30.0)
-QUICK = dict(shapes=[Shape("cold burst", 160, 64, 130, 96), Shape("long prompts", 24, 8, 2048, 16, fast_every=4)],
+QUICK = dict(shapes=[Shape("cold burst", 160, 64, 130, 96), Shape("long prompts", 24, 8, 2048, 16, fast_every=4),
+                     Shape("Batch job", 40, 16, 130, 32, batch_lines=200),
+                     Shape("after 30 idle seconds", 1, 1, 130, 96, fast_every=1, idle_before=30.0,
+                           policies=("lanes",), states=("warm",))],
              states=("fresh",), policies=("lanes", "lanes, no pausing", "fcfs"), idle_runs=3, warm_seconds=20.0)
+BATCH_LINE_TOKENS = 32  # new tokens per Batch API line
 
 
 @dataclass
@@ -89,13 +107,33 @@ class Record:
         return (self.tokens - 1) / decoding if self.ttft is not None and self.tokens > 1 and decoding > 0 else None
 
 
-async def _request(client: openai.AsyncOpenAI, prompt: list[int], tier: str, tokens: int) -> Record:
+@dataclass(frozen=True)
+class Target:
+    """A server under load: where it is, its model's name, and how a request names its lane.
+    tollway: OpenAI's `service_tier`; vs_vllm.py's vLLM: a `priority` number."""
+
+    url: str
+    model: str = MODEL
+    tokens_metric: str = "tollway:generation_tokens_total"
+
+    def lane(self, tier: str) -> dict:
+        """The body fields that put a request in `tier` ("priority", "default" or "flex")."""
+        return {"service_tier": tier}
+
+    def generated(self) -> int:
+        """Tokens the server has generated so far, all lanes (its /metrics)."""
+        exposition = httpx.get(self.url + "/metrics", timeout=30).text
+        pattern = rf"^{re.escape(self.tokens_metric)}(?:{{[^}}]*}})? (\S+)$"
+        return int(sum(float(v) for v in re.findall(pattern, exposition, re.M)))
+
+
+async def _request(client: openai.AsyncOpenAI, target: Target, prompt: list[int], tier: str, tokens: int) -> Record:
     sent = time.monotonic()
     first, used = None, 0
     try:
         stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "service_tier": tier})
+            model=target.model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **target.lane(tier)})
         async for chunk in stream:
             if chunk.choices and first is None:
                 first = time.monotonic() - sent
@@ -106,7 +144,7 @@ async def _request(client: openai.AsyncOpenAI, prompt: list[int], tier: str, tok
     return Record(tier, sent, first, time.monotonic(), used)
 
 
-async def _drive(url: str, shape: Shape, rate_rps: float | None, seed: int, bar=None) -> tuple[list[Record], float]:
+async def drive(target: Target, shape: Shape, rate_rps: float | None, seed: int, bar=None) -> tuple[list[Record], float]:
     """The shape's requests (closed loop, or open-loop Poisson arrivals at rate_rps); the
     records and the wall time from the first send to the last token."""
     rng = random.Random(seed)
@@ -115,16 +153,17 @@ async def _drive(url: str, shape: Shape, rate_rps: float | None, seed: int, bar=
     standard_prompts = iter(text_prompts(shape.requests - fast_count, shape.prompt_tokens, seed + 1))
     gate = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
     records: list[Record] = []
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800) as client:
+    async with openai.AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0, timeout=1800) as client:
         async def one(i: int, delay: float) -> None:
             fast = i % shape.fast_every == 0
             prompt = next(fast_prompts) if fast else next(standard_prompts)
+            tier = "priority" if fast else "default"
             await asyncio.sleep(delay)
             if gate is not None:
                 async with gate:
-                    records.append(await _request(client, prompt, "priority" if fast else "default", shape.output_tokens))
+                    records.append(await _request(client, target, prompt, tier, shape.output_tokens))
             else:
-                records.append(await _request(client, prompt, "priority" if fast else "default", shape.output_tokens))
+                records.append(await _request(client, target, prompt, tier, shape.output_tokens))
             if bar is not None:
                 bar.update()
 
@@ -137,7 +176,9 @@ async def _drive(url: str, shape: Shape, rate_rps: float | None, seed: int, bar=
     return records, time.monotonic() - start
 
 
-def figures(records: list[Record], wall: float) -> dict:
+def figures(records: list[Record], wall: float, batch_tokens: int = 0) -> dict:
+    """The load's figures; `batch_tokens`: generated meanwhile for a Batch API job, counted in
+    the total."""
     ok = [r for r in records if r.error is None and r.ttft is not None]
     fast, standard = [r for r in ok if r.tier == "priority"], [r for r in ok if r.tier == "default"]
 
@@ -151,69 +192,113 @@ def figures(records: list[Record], wall: float) -> dict:
         "fast_per_user_p50": percentile(per_user(fast), 0.5),
         "standard_ttft_p99_s": percentile([r.ttft for r in standard], 0.99),
         "standard_per_user_p50": percentile(per_user(standard), 0.5),
-        "total_tok_s": sum(r.tokens for r in records) / wall, "wall_s": wall,
+        "total_tok_s": (sum(r.tokens for r in records) + batch_tokens) / wall, "wall_s": wall,
+        "batch_tok_s": batch_tokens / wall,
     }
 
 
-def _command(port: int, data: Path, policy: str) -> list[str]:
+def tollway_command(port: int, data: Path, policy: str) -> list[str]:
     config = data / "fast_lane.toml"
     config.write_text("[scheduler]\n" + POLICIES[policy])
     return [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--config", str(config),
             "--data-dir", str(data), "--keys-db", str(data / "keys.sqlite"), "--log-level", "warning"]
 
 
-async def _warm_up(url: str, seconds: float) -> None:
+async def warm_up(target: Target, seconds: float) -> None:
     """Mixed traffic, fast included, for `seconds`: the warm state's past."""
     deadline = time.monotonic() + seconds
     prompts = text_prompts(64, 130, 99)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+    async with openai.AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
         async def loop(k: int) -> None:
             i = k
             while time.monotonic() < deadline:
-                await _request(client, prompts[i % len(prompts)], "priority" if i % 4 == 0 else "default", 32)
+                await _request(client, target, prompts[i % len(prompts)], "priority" if i % 4 == 0 else "default", 32)
                 i += 8
         await asyncio.gather(*(loop(k) for k in range(8)))
 
 
-async def _first_steps(url: str) -> None:
+async def first_steps(target: Target) -> None:
     """Two standard requests: a fresh server's first steps, its fast lane left cold."""
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+    async with openai.AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
         for prompt in text_prompts(2, 130, 98):
-            await _request(client, prompt, "default", 8)
+            await _request(client, target, prompt, "default", 8)
+
+
+def batch_lines(lines: int, seed: int) -> list[list[int]]:
+    """A Batch job's prompts."""
+    return text_prompts(lines, 130, seed)
+
+
+def submit_batch(target: Target, lines: int, seed: int):
+    """A Batch API job of `lines` completions, submitted: it runs in the server's batch lane.
+    Returns what cancels it."""
+    rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": target.model, "prompt": prompt, "max_tokens": BATCH_LINE_TOKENS,
+                                 "temperature": 0, "ignore_eos": True}})
+            for i, prompt in enumerate(batch_lines(lines, seed))]
+    client = openai.OpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    upload = client.files.create(file=("batch.jsonl", "\n".join(rows).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+
+    def cancel() -> None:
+        with client:
+            client.batches.cancel(batch.id)
+    return cancel
+
+
+def run_shape(target: Target, shape: Shape, rate_rps: float | None, seed: int, label: str,
+              batch=submit_batch) -> dict:
+    """On a server that has had its past: the idle minutes the shape asks for, its Batch job
+    (`batch(target, lines, seed)`, generating beside the load, returns what stops it), then its
+    load; the figures."""
+    if shape.idle_before:
+        for _ in tqdm(range(int(shape.idle_before)), desc=f"{label}: idle", unit="s", leave=False):
+            time.sleep(1)
+    stop = batch(target, shape.batch_lines, seed) if shape.batch_lines else None
+    before = target.generated()
+    with tqdm(total=shape.requests, desc=label, unit="req", leave=False) as bar:
+        records, wall = asyncio.run(drive(target, shape, rate_rps, seed, bar))
+    batch_tokens = target.generated() - before - sum(r.tokens for r in records) if stop else 0
+    if stop:
+        stop()
+    return figures(records, wall, batch_tokens)
 
 
 def one_run(shape: Shape, state: str, policy: str, rate_rps: float | None, settings: dict, seed: int) -> dict:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        url = f"http://127.0.0.1:{port}"
-        with serving(f"tollway ({policy})", _command(port, Path(tmp), policy), port, Path(tmp) / "server.log"):
-            asyncio.run(_first_steps(url))
+        target = Target(f"http://127.0.0.1:{port}")
+        with serving(f"tollway ({policy})", tollway_command(port, Path(tmp), policy), port, Path(tmp) / "server.log"):
+            asyncio.run(first_steps(target))
             if state == "warm":
-                asyncio.run(_warm_up(url, settings["warm_seconds"]))
-            with tqdm(total=shape.requests, desc=f"{shape.name}, {state}, {policy}", unit="req", leave=False) as bar:
-                records, wall = asyncio.run(_drive(url, shape, rate_rps, seed, bar))
-    return {"shape": shape.name, "state": state, "policy": policy, "rate_rps": rate_rps, **figures(records, wall)}
+                asyncio.run(warm_up(target, settings["warm_seconds"]))
+            measured = run_shape(target, shape, rate_rps, seed, f"{shape.name}, {state}, {policy}")
+    return {"shape": shape.name, "state": state, "policy": policy, "rate_rps": rate_rps, **measured}
+
+
+def lone_fast(target: Target, runs: int) -> dict:
+    """A lone fast request, `runs` times with pauses between: its median TTFT and tok/s."""
+    async def lone() -> list[Record]:
+        out = []
+        async with openai.AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0) as client:
+            for prompt in text_prompts(runs, 130, 97):
+                out.append(await _request(client, target, prompt, "priority", 96))
+                await asyncio.sleep(0.5)
+        return out
+
+    records = asyncio.run(lone())
+    return {"ttft_s": statistics.median(r.ttft for r in records), "per_user": statistics.median(r.per_user() for r in records),
+            "ttfts_s": [r.ttft for r in records]}
 
 
 def idle_fast(settings: dict) -> dict:
-    """A lone fast request on a fresh lanes server, several times: its TTFT and tok/s."""
+    """A lone fast request on a fresh lanes server, several times."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        url = f"http://127.0.0.1:{port}"
-        with serving("tollway (idle)", _command(port, Path(tmp), "lanes"), port, Path(tmp) / "server.log"):
-            asyncio.run(_first_steps(url))
-
-            async def lone() -> list[Record]:
-                out = []
-                async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
-                    for prompt in text_prompts(settings["idle_runs"], 130, 97):
-                        out.append(await _request(client, prompt, "priority", 96))
-                        await asyncio.sleep(0.5)
-                return out
-
-            records = asyncio.run(lone())
-    return {"ttft_s": statistics.median(r.ttft for r in records), "per_user": statistics.median(r.per_user() for r in records),
-            "ttfts_s": [r.ttft for r in records]}
+        target = Target(f"http://127.0.0.1:{port}")
+        with serving("tollway (idle)", tollway_command(port, Path(tmp), "lanes"), port, Path(tmp) / "server.log"):
+            asyncio.run(first_steps(target))
+            return lone_fast(target, settings["idle_runs"])
 
 
 def run(settings: dict, quick: bool) -> dict:
@@ -223,9 +308,9 @@ def run(settings: dict, quick: bool) -> dict:
               "idle": idle_fast(settings), "runs": []}
     capacity = None
     for k, shape in enumerate(settings["shapes"]):
-        for state in settings["states"]:
+        for state in shape.states or settings["states"]:
             # fcfs first: the cold burst under it sets the capacity the Poisson shapes are sized by
-            for policy in sorted(settings["policies"], key=lambda p: p != "fcfs"):
+            for policy in sorted(shape.policies or settings["policies"], key=lambda p: p != "fcfs"):
                 rate = shape.rate * capacity if shape.rate is not None else None
                 result["runs"].append(one_run(shape, state, policy, rate, settings, seed=100 + k))
                 if shape.name == "cold burst" and policy == "fcfs" and capacity is None:
@@ -244,17 +329,21 @@ def goals(r: dict) -> dict:
             continue
         fcfs, before = runs.get((shape, state, "fcfs")), runs.get((shape, state, "lanes, no pausing"))
         key = f"{shape}, {state}"
-        out[key] = {
+        checks = {
             "fast_ttft_p99_at_most_2x_idle": x["fast_ttft_p99_s"] is not None and x["fast_ttft_p99_s"] <= 2 * idle["ttft_s"],
             "fast_per_user_at_least_0.9x_idle": x["fast_per_user_p50"] is not None and x["fast_per_user_p50"] >= 0.9 * idle["per_user"],
-            "total_at_least_0.95x_fcfs": fcfs is not None and x["total_tok_s"] >= 0.95 * fcfs["total_tok_s"],
-            "standard_ttft_p99_no_worse": before is not None and x["standard_ttft_p99_s"] <= 1.1 * before["standard_ttft_p99_s"],
-            "standard_per_user_no_worse": before is not None and x["standard_per_user_p50"] >= 0.9 * before["standard_per_user_p50"],
         }
+        # A shape run under lanes alone (one request after idle minutes) has nothing to compare.
+        if fcfs is not None:
+            checks["total_at_least_0.95x_fcfs"] = x["total_tok_s"] >= 0.95 * fcfs["total_tok_s"]
+        if before is not None:
+            checks["standard_ttft_p99_no_worse"] = x["standard_ttft_p99_s"] <= 1.1 * before["standard_ttft_p99_s"]
+            checks["standard_per_user_no_worse"] = x["standard_per_user_p50"] >= 0.9 * before["standard_per_user_p50"]
+        out[key] = checks
     return out
 
 
-def _ms(seconds: float | None) -> str:
+def ms(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
@@ -263,7 +352,7 @@ def markdown(r: dict, raw: str) -> str:
     lines = [
         f"Measured {r['date'][:10]} with `{r['command']}` on {m.get('cpu', 'this CPU')} ({m.get('cores')} cores; "
         f"{', '.join(m.get('isa_flags', []))}). Raw: `{raw}`. Idle fast lane (a lone fast request on a fresh server, "
-        f"median of {len(idle['ttfts_s'])}): TTFT {_ms(idle['ttft_s'])} ms, {idle['per_user']:.1f} tok/s."
+        f"median of {len(idle['ttfts_s'])}): TTFT {ms(idle['ttft_s'])} ms, {idle['per_user']:.1f} tok/s."
         + (f" Capacity (the cold burst under fcfs): {r['capacity_rps']:.2f} requests/s." if r.get("capacity_rps") else ""),
         "",
         "| shape | state | policy | fast TTFT p50 / p99 ms (p99 / idle) | fast tok/s per user p50 (/ idle) | "
@@ -275,12 +364,13 @@ def markdown(r: dict, raw: str) -> str:
         fcfs = runs.get((x["shape"], x["state"], "fcfs"))
         p99 = x["fast_ttft_p99_s"]
         ratio = f" ({p99 / idle['ttft_s']:.2f}x)" if p99 else ""
+        vs_fcfs = f" ({x['total_tok_s'] / fcfs['total_tok_s']:.2f}x)" if fcfs else ""
         lines.append(
-            f"| {x['shape']} | {x['state']} | {x['policy']} | {_ms(x['fast_ttft_p50_s'])} / {_ms(p99)}"
+            f"| {x['shape']} | {x['state']} | {x['policy']} | {ms(x['fast_ttft_p50_s'])} / {ms(p99)}"
             f"{ratio} | "
             f"{x['fast_per_user_p50'] or 0:.1f} ({(x['fast_per_user_p50'] or 0) / idle['per_user']:.2f}x) | "
-            f"{_ms(x['standard_ttft_p99_s'])} | {x['standard_per_user_p50'] or 0:.1f} | "
-            f"{x['total_tok_s']:.1f} ({x['total_tok_s'] / fcfs['total_tok_s']:.2f}x) | {len(x['errors'])} |")
+            f"{ms(x['standard_ttft_p99_s'])} | {x['standard_per_user_p50'] or 0:.1f} | "
+            f"{x['total_tok_s']:.1f}{vs_fcfs} | {len(x['errors'])} |")
     lines += ["", "Goals under lanes: " + "; ".join(
         f"{key}: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in checks.items())
         for key, checks in r["goals"].items()) + "."]

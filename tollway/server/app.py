@@ -25,6 +25,7 @@ from tollway.meter.meter import Meter
 from tollway.server import completions, errors, status, usage
 from tollway.server.batch_api import batch_router
 from tollway.server.dashboard import dashboard_router
+from tollway.server.fast_first import FastFirst
 from tollway.server.keep_alive import DEFAULT_INTERVAL
 from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
@@ -64,7 +65,8 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     app = FastAPI(title="tollway", summary="OpenAI-compatible LLM serving with fast, standard and batch lanes",
                   lifespan=lifespan)
     app.state.service = svc
-    app.add_middleware(RequestIds)
+    app.add_middleware(FastFirst)
+    app.add_middleware(RequestIds)  # added last: outermost, so `received` counts FastFirst's wait
     errors.install(app)
     for module in (status, usage, completions):
         app.include_router(module.router)
