@@ -148,6 +148,44 @@ def test_budget_alerts_cap_and_reset_end_to_end(metered, receiver):
     assert [a["threshold"] for a in receiver.received if a["name"] == "capped"] == [0.5, 0.8, 1.0]
 
 
+def test_a_fast_call_is_admitted_while_standard_ones_hold_every_worker_thread(metered, monkeypatch):
+    """Admission's database work under a burst: standard calls whose budget hold is slow fill
+    every thread of the server's default pool; a fast call's hold does not queue behind them."""
+    budgets = metered["meter"].budgets
+    gate, held = threading.Event(), threading.Semaphore(0)
+    reserve = budgets.reserve
+
+    def slow_reserve(request_id, key, tags, dollars):
+        if "hold" in tags:
+            held.release()
+            gate.wait(120)
+        return reserve(request_id, key, tags, dollars)
+
+    monkeypatch.setattr(budgets, "reserve", slow_reserve)
+    workers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+    results: list[str] = []
+
+    def standard() -> None:
+        reply = _client(metered, "sk-bob").completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={"x-tollway-tags": "hold"})
+        results.append(reply.service_tier)
+
+    threads = [threading.Thread(target=standard) for _ in range(workers + 2)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(workers):
+            assert held.acquire(timeout=60), "the standard calls never reached their budget hold"
+        fast = _client(metered, "sk-alice").with_options(timeout=60, max_retries=0).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"service_tier": "priority"})
+        assert fast.service_tier == "priority" and not gate.is_set() and results == []
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(120)
+    assert results == ["default"] * (workers + 2)
+
+
 def test_a_fleet_call_retried_on_another_replica_is_billed_once(make_engine, tmp_path):
     """Two replicas on one ledger: the ingress names a call, and the replica it retries the call
     on (after the first billed it and failed to answer) answers it without billing it again.
