@@ -150,7 +150,9 @@ async def drive(target: Target, shape: Shape, rate_rps: float | None, seed: int,
     rng = random.Random(seed)
     fast_count = -(-shape.requests // shape.fast_every)
     fast_prompts = iter(text_prompts(fast_count, shape.fast_prompt_tokens, seed))
-    standard_prompts = iter(text_prompts(shape.requests - fast_count, shape.prompt_tokens, seed + 1))
+    # Seeds apart from every shape's (100 + its index): one server taking several shapes
+    # (vs_vllm.py) never finds a prompt in its prefix cache.
+    standard_prompts = iter(text_prompts(shape.requests - fast_count, shape.prompt_tokens, seed + 1000))
     gate = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
     records: list[Record] = []
     async with openai.AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0, timeout=1800) as client:
@@ -225,8 +227,8 @@ async def first_steps(target: Target) -> None:
 
 
 def batch_lines(lines: int, seed: int) -> list[list[int]]:
-    """A Batch job's prompts."""
-    return text_prompts(lines, 130, seed)
+    """A Batch job's prompts (seeds apart from the load's, as in drive)."""
+    return text_prompts(lines, 130, seed + 2000)
 
 
 def submit_batch(target: Target, lines: int, seed: int):
@@ -371,10 +373,15 @@ def markdown(r: dict, raw: str) -> str:
             f"{x['fast_per_user_p50'] or 0:.1f} ({(x['fast_per_user_p50'] or 0) / idle['per_user']:.2f}x) | "
             f"{ms(x['standard_ttft_p99_s'])} | {x['standard_per_user_p50'] or 0:.1f} | "
             f"{x['total_tok_s']:.1f}{vs_fcfs} | {len(x['errors'])} |")
-    lines += ["", "Goals under lanes: " + "; ".join(
-        f"{key}: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in checks.items())
-        for key, checks in r["goals"].items()) + "."]
+    lines += ["", goals_line("Goals under lanes", r["goals"])]
     return "\n".join(lines)
+
+
+def goals_line(title: str, goals: dict[str, dict[str, bool]]) -> str:
+    """Goals checked per case, as one sentence."""
+    return f"{title}: " + "; ".join(
+        f"{case}: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in checks.items())
+        for case, checks in goals.items()) + "."
 
 
 if __name__ == "__main__":
