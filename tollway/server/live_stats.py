@@ -44,7 +44,7 @@ class StepSplit(NamedTuple):
         prefill = sum(s.num_new for s in plan.seqs if not s.is_generation)
         share = 1.0 if not prefill else 0.0 if not decodes else None
         if share is None and model is not None:
-            whole = model.predict(StepShape.of(plan))
+            whole = model.predict(plan.shape)
             share = min(1.0, model.predict(StepShape.of(plan, decodes)) / whole) if whole > 0 else None
         return cls(len(decodes), generated, prefill, share)
 
