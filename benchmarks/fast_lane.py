@@ -1,7 +1,7 @@
 """Fast lane benchmark: does the fast lane keep its promise at every moment, cold bursts included,
 and what does it cost the other lanes?
 
-    python benchmarks/fast_lane.py          # the full suite: about 35 min on a quiet 2-core machine
+    python benchmarks/fast_lane.py          # the full suite: about 60 min on a quiet 2-core machine
     python benchmarks/fast_lane.py --quick  # the cold burst and long prompts, fresh only; writes benchmarks/out/
 
 Each load shape runs over HTTP against `tollway serve` on the embedded Gemma 3 270M, a server of
