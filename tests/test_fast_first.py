@@ -61,7 +61,7 @@ def body(tier: str | None, **fields) -> bytes:
 def test_fast_requests_in_a_burst_reach_admission_before_the_rest():
     requests = [("/v1/completions", body(None)), ("/v1/chat/completions", body("default")),
                 ("/v1/completions", body("flex")), ("/v1/completions", body("priority")),
-                ("/v1/chat/completions", body(None)), ("/v1/responses", body("scale"))]
+                ("/v1/chat/completions", body(None)), ("/v1/chat/completions", body("scale"))]
     entered, read = burst(requests)
     assert entered[:2] == [3, 5] and sorted(entered[2:]) == [0, 1, 2, 4]
     # Each route read its own body, whole, and then the client's disconnect.

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tollway.server.service_tier import TIER_OF
 
-ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+ROUTES = {"/v1/chat/completions", "/v1/completions"}
 # Bodies larger than this (by their content-length) go by unread: no reordering is worth holding
 # a large body before the route's own checks.
 MAX_PEEK_BYTES = 1 << 20

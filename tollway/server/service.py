@@ -36,12 +36,12 @@ from tollway.storage.database import Database
 # at the end) runs on threads of its own: under a burst, every call's queues for the default
 # pool's few threads, and a fast call would wait behind a hundred standard ones. One pool for
 # the process, however many apps.
-_FAST_ADMISSION = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tollway-fast-admission")
+_FAST_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tollway-fast-calls")
 
 
 async def _off_loop(tier: str, func, *args):
     """func(*args) on a worker thread, a fast call's on the fast lane's own; as asyncio.to_thread."""
-    pool = _FAST_ADMISSION if tier == "fast" else None
+    pool = _FAST_CALLS if tier == "fast" else None
     return await asyncio.get_running_loop().run_in_executor(pool, contextvars.copy_context().run, func, *args)
 
 
