@@ -52,7 +52,7 @@ import openai  # noqa: E402
 from bench_example import free_port  # noqa: E402
 from common import command_line, machine_info, run_benchmark  # noqa: E402
 from fast_lane import (BATCH_LINE_TOKENS, FULL as FAST_LANE_FULL, MODEL, QUICK as FAST_LANE_QUICK,  # noqa: E402
-                       Target, batch_lines, first_steps, goals_line, ms, tollway_command, lone_fast, run_shape, warm_up)
+                       Target, batch_lines, first_steps, goals_line, ms, submit_batch, tollway_command, lone_fast, run_shape, warm_up)
 from vs_llamacpp import serving  # noqa: E402
 from tollway.checkpoint import resolve_model  # noqa: E402
 
@@ -174,12 +174,11 @@ def suite(name: str, target: Target, settings: dict, capacity: float | None) -> 
     capacity the Poisson shapes were sized by (this server's cold burst's, when none is given)."""
     asyncio.run(first_steps(target))
     result = {"idle": lone_fast(target, settings["idle_runs"]), "runs": []}
-    batch = vllm_batch if isinstance(target, VllmTarget) else None
+    batch = vllm_batch if isinstance(target, VllmTarget) else submit_batch
     for k, shape in enumerate(settings["shapes"]):
         asyncio.run(warm_up(target, settings["warm_seconds"]))
         rate = shape.rate * capacity if shape.rate is not None else None
-        options = {"batch": batch} if batch else {}
-        measured = run_shape(target, shape, rate, 100 + k, f"{name}: {shape.name}", **options)
+        measured = run_shape(target, shape, rate, 100 + k, f"{name}: {shape.name}", batch)
         result["runs"].append({"shape": shape.name, "rate_rps": rate, **measured})
         if shape.name == "cold burst" and capacity is None:
             capacity = shape.requests / measured["wall_s"]
