@@ -52,7 +52,8 @@ import openai  # noqa: E402
 from bench_example import free_port  # noqa: E402
 from common import command_line, machine_info, run_benchmark  # noqa: E402
 from fast_lane import (BATCH_LINE_TOKENS, FULL as FAST_LANE_FULL, MODEL, QUICK as FAST_LANE_QUICK,  # noqa: E402
-                       Target, batch_lines, first_steps, goals_line, ms, submit_batch, tollway_command, lone_fast, run_shape, warm_up)
+                       Target, batch_lines, first_steps, goals_line, lone_fast, ms, run_shape, submit_batch,
+                       tollway_command, warm_up)
 from vs_llamacpp import serving  # noqa: E402
 from tollway.checkpoint import resolve_model  # noqa: E402
 
