@@ -46,18 +46,20 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 from bench_example import free_port  # noqa: E402
 from common import machine_info, run_benchmark, targets_line  # noqa: E402
 from vs_llamacpp import _tollway_command, _tollway_source, serving  # noqa: E402
-from tollway.bench.client import OpenAIClient, RequestRecord, now_clock  # noqa: E402
-from tollway.bench.load import Limits, LoadPattern, run_stage  # noqa: E402
-from tollway.bench.stats import SLO, summarize  # noqa: E402
-from tollway.bench.workload import Requests, Workload  # noqa: E402
+from tollway.bench.client import OpenAIClient, now_clock  # noqa: E402
+from tollway.bench.load import run_stage  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path  # noqa: E402
 from tollway.config import TIERS, MeterConfig, load_config  # noqa: E402
+from tollway.scheduler.machine_profile import MachineProfile  # noqa: E402
 from tollway.server.service_tier import WIRE_NAME  # noqa: E402
 from tollway.sim import advice_report  # noqa: E402
 from tollway.sim.advisor import Advisor, ClassAdvice, judge_class  # noqa: E402
-from tollway.sim.machine_profile import MachineProfile  # noqa: E402
 from tollway.sim.traffic_classes import TrafficClass, make_class  # noqa: E402
 from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.records import RequestRecord  # noqa: E402
+from tollway.traffic.stats import SLO, summarize  # noqa: E402
+from tollway.traffic.workload import Requests, Workload  # noqa: E402
 
 # name, req/s, prompt tokens, output tokens, SLO (at p99): chat needs the first token soon and
 # a steady per-token speed, which bulk's long prompts deny it outside the fast lane (their

@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 from bench_example import free_port  # noqa: E402
 from common import machine_info, run_benchmark, targets_line  # noqa: E402
 from vs_llamacpp import _tollway_command, _tollway_source, serving  # noqa: E402
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
-from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path  # noqa: E402
 from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.workload import Lengths, Workload  # noqa: E402
 
 FULL = dict(share=0.3, concurrency=16, requests=192, prompt=128, output=64)
 QUICK = dict(share=0.3, concurrency=8, requests=48, prompt=64, output=32)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from tollway.bench.workload import exact_prompt, plain_words
 from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path
 from tollway.text.tokenizer import Tokenizer
+from tollway.traffic.workload import exact_prompt, plain_words
 
 # What torch may run in a run forced down to each of tollway's lower paths (TOLLWAY_ISA): its own
 # kernels, MKL's and oneDNN's then take that kind of CPU's instruction sets too, so transformers

@@ -52,7 +52,7 @@ from tqdm import tqdm  # noqa: E402
 from bench_example import free_port  # noqa: E402
 from common import command_line, machine_info, run_benchmark, text_prompts  # noqa: E402
 from vs_llamacpp import serving  # noqa: E402
-from tollway.bench.stats import percentile  # noqa: E402
+from tollway.traffic.stats import percentile  # noqa: E402
 
 MODEL = "gemma3-270m"
 POLICIES = {"lanes": "", "lanes, no pausing": "pause_for_fast = false\n", "fcfs": 'policy = "fcfs"\n'}

@@ -31,14 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, run_benchmark  # noqa: E402
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
-from tollway.bench.workload import Lengths, Workload  # noqa: E402
+from tollway.checkpoint import tokenizer_path  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
-from tollway.text.tokenizer import Tokenizer  # noqa: E402
-from tollway.checkpoint import tokenizer_path  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
+from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.workload import Lengths, Workload  # noqa: E402
 
 MODEL = "gemma3-270m"
 FULL = dict(users=16, requests=120, warmup=10.0, prompt=(64, 16, 32, 128), output=(48, 16, 16, 96),

@@ -47,17 +47,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, targets_line, write_readme  # noqa: E402
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
-from tollway.bench.run import stage_dict  # noqa: E402
-from tollway.bench.stats import SLO  # noqa: E402
-from tollway.bench.workload import Lengths, Workload  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
+from tollway.scheduler.machine_profile import MachineProfile  # noqa: E402
 from tollway.scheduler.step_model import StepTimeModel  # noqa: E402
 from tollway.sim.engine_run import run_on_engine  # noqa: E402
-from tollway.sim.machine_profile import MachineProfile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.results import stage_dict  # noqa: E402
+from tollway.traffic.stats import SLO  # noqa: E402
+from tollway.traffic.workload import Lengths, Workload  # noqa: E402
 
 FULL = dict(users=24, requests=480, warmup=15.0, prompt=(64, 24, 16, 128), output=(48, 16, 16, 96),
             mix={"fast": 0.1, "standard": 0.9}, grid=None)

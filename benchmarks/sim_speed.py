@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
 from common import machine_info, run_benchmark  # noqa: E402
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
-from tollway.bench.workload import Lengths, Workload  # noqa: E402
-from tollway.config import load_config  # noqa: E402
 from tollway.checkpoint import model_config  # noqa: E402
+from tollway.config import load_config  # noqa: E402
 from tollway.sim.hardware import analytic_profile, hardware  # noqa: E402
 from tollway.sim.simulator import Simulator  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.workload import Lengths, Workload  # noqa: E402
 
 MODEL = ROOT / "benchmarks" / "models" / "llama-3-8b"
 FULL = dict(requests=1_000_000, replicas=3, rate=60.0)

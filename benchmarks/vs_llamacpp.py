@@ -74,11 +74,11 @@ sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip instal
 from bench_example import free_port  # noqa: E402
 from common import (command_line, forced_isa, gguf_summary, gguf_summary_line, machine_info,  # noqa: E402
                     run_benchmark, targets_line)
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.bench.run import BenchConfig, run_bench  # noqa: E402
-from tollway.bench.workload import Lengths, Workload  # noqa: E402
-from tollway.text.tokenizer import Tokenizer  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, cache_root, resolve_model, tokenizer_path  # noqa: E402
+from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.workload import Lengths, Workload  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is the peer; bump to move the peer on
 # llama-quantize: benchmarks/models.py quantizes its test models with llama.cpp's own (peer_tool)

@@ -9,13 +9,13 @@ import json
 import pytest
 
 from test_sim import config, linear_profile
-from tollway.bench.client import RequestRecord
-from tollway.bench.stats import SLO
 from tollway.cli import main
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.sim.advisor import Advisor, judge_class
 from tollway.sim.ledger_classes import classes_from_ledger
 from tollway.sim.traffic_classes import load_classes, make_class
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.stats import SLO
 
 MIX = """
 [classes.chat]

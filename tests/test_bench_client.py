@@ -5,7 +5,7 @@ import asyncio
 import json
 
 from tollway.bench.client import OpenAIClient, now_clock
-from tollway.bench.workload import RequestSpec
+from tollway.traffic.workload import RequestSpec
 
 
 async def _serve_one_request_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

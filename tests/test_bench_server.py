@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from live_server import MODEL, make_meter, running_server
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.report import load_result, render, write_report
-from tollway.bench.run import BenchConfig, run_bench, write_result
-from tollway.bench.stats import SLO, percentile, request_latencies
-from tollway.bench.workload import Lengths, Requests, Workload
+from tollway.bench.run import BenchConfig, run_bench
 from tollway.cli import main
 from tollway.server.metrics import Metrics
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.report import load_result, render, write_report
+from tollway.traffic.results import write_result
+from tollway.traffic.stats import SLO, percentile, request_latencies
+from tollway.traffic.workload import Lengths, Requests, Workload
 
 ARTIFACTS = Path(os.environ.get("TOLLWAY_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 PROMPT, OUTPUT = 24, 6
@@ -57,7 +58,7 @@ def test_prompts_have_the_exact_token_count_the_server_reports(server, default_t
     summary = stage["summary"]
     assert sum(t["completed"] for t in summary["tiers"].values()) == 6
     assert summary["all"]["output_tokens"] == 6 * OUTPUT and summary["all"]["prompt_tokens"] == 6 * PROMPT
-    from tollway.bench.client import RequestRecord
+    from tollway.traffic.records import RequestRecord
     ttfts = [request_latencies(RequestRecord(**r))["ttft"] for r in records]
     assert summary["all"]["ttft"]["p90"] == pytest.approx(percentile(ttfts, 0.9))
     assert summary["all"]["goodput_share"] == 1.0  # limits far above this machine's times

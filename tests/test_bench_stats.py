@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from tollway.bench.client import RequestRecord
-from tollway.bench.load import sweep_rates
-from tollway.bench.stats import SLO, percentile, summarize
-from tollway.bench.workload import Lengths, parse_mix
+from tollway.traffic.patterns import sweep_rates
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.stats import SLO, percentile, summarize
+from tollway.traffic.workload import Lengths, parse_mix
 
 
 def record(index, tier, sent, ttft, tpot, tokens, warmup=False, error=None, cost=None):

@@ -102,7 +102,8 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
 
 def test_serve_takes_vllm_flags():
     """vLLM's names, through the real parser: a positional model, batch limits, and the KV pool's memory."""
-    from tollway.cli import _build_parser, engine_config
+    from tollway.cli import _build_parser
+    from tollway.engine_arguments import engine_config
 
     args = _build_parser().parse_args(["serve", "/models/qwen3.gguf", "--max-num-seqs", "8",
                                        "--max-num-batched-tokens", "256", "--kv-cache-memory", "2GiB",
@@ -116,7 +117,7 @@ def test_serve_takes_vllm_flags():
 
 
 def test_chat_template_is_read_from_a_file(tmp_path):
-    from tollway.cli import chat_template
+    from tollway.engine_arguments import chat_template
 
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert chat_template(str(tmp_path / "t.jinja")) == "{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -9,15 +9,15 @@ import math
 
 import pytest
 
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.workload import Lengths, Workload
 from tollway.config import EngineConfig, SchedulerConfig
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import SampledToken, StepResult
-from tollway.sim.cli import _estimate
 from tollway.sim.coasting import Coasting
 from tollway.sim.coasting_scheduler import CoastingScheduler
+from tollway.sim.hardware import estimated_profile
 from tollway.sim.simulator import Simulator
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.workload import Lengths, Workload
 
 MIXED = {"fast": 0.2, "standard": 0.6, "batch": 0.2}
 
@@ -25,7 +25,7 @@ MIXED = {"fast": 0.2, "standard": 0.6, "batch": 0.2}
 @pytest.fixture(scope="module")
 def h200():
     # Small steps (about 2 ms for gemma3-270m), so millisecond targets cap them.
-    return dataclasses.replace(_estimate("H200", "gemma3-270m"), jitter=[0.9, 1.0, 1.05, 1.3])
+    return dataclasses.replace(estimated_profile("H200", "gemma3-270m"), jitter=[0.9, 1.0, 1.05, 1.3])
 
 
 def _config(policy="lanes", fast=None, standard=None, batch_window=None) -> SchedulerConfig:

@@ -24,7 +24,6 @@ from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from tollway.bench.stats import percentile
 from tollway.cli import main, server_parts
 from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
 from tollway.fleet.dashboard import merge
@@ -38,8 +37,9 @@ from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
 from tollway.server.keep_alive import COMMENT
 from tollway.server.keys import Gatekeeper, KeyDatabase
-from tollway.server.log_level import uvicorn_logging
 from tollway.server.live_stats import LiveStats
+from tollway.server.log_level import uvicorn_logging
+from tollway.traffic.stats import percentile
 
 from dashboard_browser import ARTIFACTS, dashboard_page, shown_values
 from live_server import MODEL, free_port, serving

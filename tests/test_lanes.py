@@ -6,9 +6,9 @@ import statistics
 import pytest
 
 from tollway.config import SchedulerConfig, default_tiers
-from tollway.request import Request, SamplingParams
+from tollway.request import QueueFullError, Request, SamplingParams
 from tollway.scheduler.plan import SampledToken, StepResult
-from tollway.scheduler.scheduler import QueueFullError, Scheduler
+from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 from coeffs_scale import COEFFS, at_this_scale

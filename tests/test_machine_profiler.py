@@ -1,13 +1,13 @@
 """`tollway profile` on the real runner: a grid of timed steps that the simulator can run on."""
 from __future__ import annotations
 
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.workload import Lengths, Workload
 from tollway.model.machine_profiler import Grid, grid_plans, measure
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.scheduler.step_model import StepShape
 from tollway.sim.engine_run import run_on_engine
-from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.simulator import simulate
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.workload import Lengths, Workload
 
 TINY = Grid(decodes=(1, 4), contexts=(32, 96), prefills=(0, 16), repeats=1, jitter_repeats=4)
 

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.stats import SLO
-from tollway.bench.workload import Lengths, Workload
 from tollway.cli import main
 from tollway.config import SchedulerConfig
 from tollway.model_config import ModelConfig
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.sim.hardware import HARDWARE, analytic_profile, step_seconds
-from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.planner import candidate_config, plan
 from tollway.sim.simulator import simulate
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.stats import SLO
+from tollway.traffic.workload import Lengths, Workload
 
 
 def linear_profile(fixed=0.02, per_token=0.0005, per_row=0.002, jitter=(0.95, 1.0, 1.1)) -> MachineProfile:

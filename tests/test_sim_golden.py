@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_sim import config, linear_profile, workload  # noqa: E402
 
-from tollway.bench.load import Limits, LoadPattern  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "sim_golden.json"
 CASES = {f"{policy} x{replicas} {rate}/s": (policy, replicas, rate)

@@ -35,9 +35,9 @@ def test_the_blocker_blocks():
 def test_scheduler_sim_bench_and_text_import_without_torch():
     done = _run("""
         import importlib, pkgutil
-        import tollway.bench, tollway.scheduler, tollway.sim, tollway.text
+        import tollway.bench, tollway.scheduler, tollway.sim, tollway.text, tollway.traffic
         names = ["tollway.checkpoint", "tollway.model_config", "tollway.cli"]
-        for package in (tollway.bench, tollway.scheduler, tollway.sim, tollway.text):
+        for package in (tollway.bench, tollway.scheduler, tollway.sim, tollway.text, tollway.traffic):
             names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
         for name in names:
             importlib.import_module(name)
@@ -72,3 +72,73 @@ def test_simulate_on_a_hardware_estimate_and_a_gguf_tokenizer_run_without_torch(
     # only the tokenizer was written: no converted weights
     assert result["folder"].startswith(str(tmp_path / "cache"))
     assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+# Which packages a layer must never import, at module level or inside a function: the scheduler
+# is a plain description of a step; the simulator and the bench share `traffic` and know
+# nothing of each other, of the model or of the server; the model knows nothing of what runs it.
+LAYER_RULES = {
+    "tollway.traffic": ("torch", "tollway.model", "tollway.engine", "tollway.async_engine", "tollway.scheduler",
+                        "tollway.sim", "tollway.bench", "tollway.server", "tollway.fleet", "tollway.cli"),
+    "tollway.scheduler": ("torch", "tollway.model", "tollway.engine", "tollway.async_engine", "tollway.sim",
+                          "tollway.bench", "tollway.traffic", "tollway.server", "tollway.fleet", "tollway.cli"),
+    "tollway.sim": ("torch", "tollway.model", "tollway.engine", "tollway.async_engine", "tollway.bench",
+                    "tollway.server", "tollway.fleet", "tollway.cli"),
+    "tollway.bench": ("torch", "tollway.model", "tollway.engine", "tollway.async_engine", "tollway.sim",
+                      "tollway.server", "tollway.fleet", "tollway.cli"),
+    "tollway.text": ("torch", "tollway.model", "tollway.engine", "tollway.server", "tollway.cli"),
+    "tollway.model": ("tollway.engine", "tollway.async_engine", "tollway.sim", "tollway.bench", "tollway.traffic",
+                      "tollway.server", "tollway.fleet", "tollway.cli"),
+    "tollway.server": ("tollway.sim", "tollway.bench", "tollway.cli"),
+    "tollway.meter": ("tollway.model", "tollway.engine", "tollway.sim", "tollway.bench", "tollway.server",
+                      "tollway.cli"),
+}
+
+
+def _imports(path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every import in the file, wherever it sits."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def _layer_breaches(root) -> list[str]:
+    breaches = []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        layer, forbidden = next(((layer, banned) for layer, banned in LAYER_RULES.items()
+                                 if module == layer or module.startswith(layer + ".")), (module, ()))
+        for line, imported, names in _imports(path):
+            hit = next((b for b in forbidden if imported == b or imported.startswith(b + ".")), None)
+            if hit:
+                breaches.append(f"{path.name}:{line} imports {imported} ({layer} must not import {hit})")
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if imported.startswith("tollway.") and private:
+                breaches.append(f"{path.name}:{line} imports {', '.join(private)} from {imported}: private there")
+    return breaches
+
+
+def test_each_layer_imports_only_what_it_may():
+    from pathlib import Path
+
+    import tollway
+
+    assert _layer_breaches(Path(tollway.__file__).parent) == []
+
+
+def test_the_layer_check_finds_imports_inside_functions_and_private_names(tmp_path):
+    package = tmp_path / "tollway"
+    (package / "scheduler").mkdir(parents=True)
+    (package / "scheduler" / "late.py").write_text("def f():\n    from tollway.model.runner import ModelRunner\n")
+    (package / "sim").mkdir()
+    (package / "sim" / "peek.py").write_text("from tollway.traffic.plots import _finished\n")
+    (package / "cli.py").write_text("from tollway.sim import cli\n")  # the top-level CLI may import any layer
+    assert _layer_breaches(package) == [
+        "late.py:2 imports tollway.model.runner (tollway.scheduler must not import tollway.model)",
+        "peek.py:1 imports _finished from tollway.traffic.plots: private there"]

@@ -141,6 +141,23 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def fault_in_kv(self) -> None:
+        """Fault the KV pool's pages in on a thread of their own (ModelRunner.fault_in_kv): for a
+        server, before its first requests."""
+        self.engine.runner.fault_in_kv()
+
+    def refuse_unstarted(self, error) -> int:
+        """Abort every queued request that has never run (preempted ones have, and stay), each
+        stream ending with error(tier) raised in place of outputs; how many were refused."""
+        def refuse(engine: Engine) -> int:
+            queued = engine.unstarted()
+            for request_id, _ in queued:
+                engine.abort(request_id)
+            self._deliver([(request_id, error(tier), True) for request_id, tier in queued])
+            return len(queued)
+
+        return self.run(refuse).result()
+
     def run(self, fn):
         """Run fn(engine) on the engine thread between steps; a Future of its result. For
         reading engine state (e.g. the block pool) consistently."""

@@ -10,15 +10,15 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
+from tollway import profile_command
 from tollway.bench import cli as bench_cli
-from tollway.sim import cli as sim_cli
-from tollway.config import (
-    KERNELS, KV_CACHE_DTYPES, POLICIES, TIERS, EngineConfig, KeySpec, ServerConfig, load_config, load_server_config,
-    memory_budget,
-)
+from tollway.config import TIERS, KeySpec, ServerConfig, load_server_config
+from tollway.engine_arguments import add_engine_arguments, engine_config
 from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams
 from tollway.server.log_level import LOG_LEVELS, uvicorn_logging
+from tollway.sim import cli as sim_cli
+from tollway.traffic.arguments import DEFAULT_OUTPUT
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -96,11 +96,12 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--canary", action="store_true",
                         help="ledger: the canary's promoted requests against its control (tollway serve "
                              "--canary-share): latency and money, with bootstrap 95%% intervals")
-    report.add_argument("--output", default=bench_cli.DEFAULT_OUTPUT, help="bench files: the report's folder")
+    report.add_argument("--output", default=DEFAULT_OUTPUT, help="bench files: the report's folder")
     report.add_argument("--slo", help="bench files: recompute goodput under these limits")
     report.add_argument("--usd-per-hour", type=float, help="bench files: recompute cost at this price")
     bench_cli.add_parsers(sub)
-    sim_cli.add_parsers(sub, add_engine_arguments)
+    profile_command.add_parser(sub)
+    sim_cli.add_parsers(sub)
     return parser
 
 
@@ -166,72 +167,6 @@ def default_keys_db() -> Path:
     return Path(user_data_dir("tollway")) / "keys.sqlite"
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine settings: a TOML file, then flags on top of it."""
-    parser.add_argument("--config", help="a TOML file of engine, [scheduler] and [tiers.<name>] settings")
-    parser.add_argument("--model", help="a .gguf file, a Hugging Face folder, or the embedded default 'gemma3-270m'")
-    parser.add_argument("--kernel", choices=("auto",) + KERNELS)
-    parser.add_argument("--device")
-    parser.add_argument("--threads", type=int)
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                        help="auto: float16 on the CPU (float32 under --kernel fp32), bfloat16 on a GPU")
-    parser.add_argument("--max-model-len", type=int,
-                        help="prompt + output tokens per request (default: what the model supports and the KV pool holds)")
-    parser.add_argument("--max-num-seqs", type=int, help="sequences per step at most")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (decodes + prefill chunks)")
-    parser.add_argument("--kv-cache-memory", metavar="SIZE",
-                        help="the KV pool's memory: bytes (2GiB, 500MB) or a share of the device's memory (0.2); "
-                             "default: 2048 blocks of 16 tokens")
-    parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
-                        help="a Jinja chat template, as a file or inline, in place of the model's own")
-    parser.add_argument("--policy", choices=POLICIES)
-    parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
-    parser.add_argument("--standard-tpot-slo", type=float, metavar="SECONDS", help="the standard lane's p99 TPOT SLO")
-
-
-def engine_config(args) -> EngineConfig:
-    config = load_config(args.config) if args.config else EngineConfig()
-    sched = config.scheduler
-    model = getattr(args, "model_path", None)
-    if model and args.model and model != args.model:
-        raise ValueError(f"two models given: {model} and --model {args.model}")
-    for value, target, name in ((model or args.model, config, "model"), (args.device, config, "device"),
-                                (args.threads, config, "num_threads"), (args.kernel, sched, "kernel"),
-                                (args.kv_cache_dtype, config, "kv_cache_dtype"),
-                                (args.max_model_len, sched, "max_model_len"), (args.policy, sched, "policy"),
-                                (args.max_num_seqs, sched, "max_num_seqs"),
-                                (args.max_num_batched_tokens, sched, "max_num_batched_tokens"),
-                                (args.kv_cache_memory, config, "kv_cache_memory"),
-                                (chat_template(args.chat_template), config, "chat_template"),
-                                (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
-                                (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):
-        if value is not None:
-            setattr(target, name, value)
-    sched.validate()
-    if config.kv_cache_memory is not None:
-        memory_budget(config.kv_cache_memory, 1)  # refused here, before the model loads
-    return config
-
-
-def chat_template(value: str | None) -> str | None:
-    """--chat-template's Jinja text: the file it names, or the text itself; checked here, so that
-    a template that does not parse is one line now rather than an error on every chat request."""
-    import jinja2
-
-    if value is None:
-        return None
-    path = Path(value)
-    is_file = "{" not in value and path.is_file()
-    if "{" not in value and not is_file:
-        raise ValueError(f"--chat-template: no such file {value} (inline templates contain {{%, {{{{ or {{#)")
-    text = path.read_text() if is_file else value
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from None
-    return text
-
-
 def _generate(args) -> int:
     from tollway.engine import Engine
 
@@ -292,7 +227,7 @@ def _serve(args) -> int:
     tracing = tracing_for(server.otlp_traces_endpoint, name)  # before the engine: a missing extra fails fast
     metrics = Metrics(name)
     engine = AsyncEngine(Engine(config), on_step=metrics.on_step)
-    engine.engine.runner.fault_in_kv()
+    engine.fault_in_kv()
     try:
         if gatekeeper.open and not _is_loopback(server.host, ipaddress):
             print(f"tollway: warning: serving {server.host} with no API keys: anyone who can reach it can use it",
@@ -393,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report,
-                    "bench": bench_cli.bench_main, "compare": bench_cli.compare_main, "profile": sim_cli.profile_main,
+                    "bench": bench_cli.bench_main, "compare": bench_cli.compare_main, "profile": profile_command.profile_main,
                     "simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main,
                     "advise": sim_cli.advise_main}
         return commands[args.command](args)

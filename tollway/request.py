@@ -15,6 +15,18 @@ class InvalidRequest(ValueError):
         self.param, self.code = param, code
 
 
+RETRY_AFTER_SECONDS = 1
+
+
+class QueueFullError(ValueError):
+    """A tier's waiting queue is at its bound: the request is refused, not queued."""
+
+    def __init__(self, tier: str, bound: int):
+        super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
+        self.tier = tier
+        self.retry_after = RETRY_AFTER_SECONDS
+
+
 def check_prompt_length(num_tokens: int, context: int) -> None:
     """A prompt must leave room in the context for at least one generated token."""
     if num_tokens == 0:

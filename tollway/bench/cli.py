@@ -6,8 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_OUTPUT = "tollway-bench"
-
+from tollway.traffic.arguments import (
+    add_load_arguments, add_result_arguments, add_workload_arguments, print_stages, workload_from_args,
+)
 
 def add_server_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
     server = parser.add_argument_group("server")
@@ -17,45 +18,6 @@ def add_server_arguments(parser: argparse.ArgumentParser, single_url: bool = Tru
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     server.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-
-
-def add_load_arguments(parser: argparse.ArgumentParser, sweep: bool = True) -> None:
-    load = parser.add_argument_group("load (one of --concurrency, --rate" + (", --sweep)" if sweep else ")"))
-    load.add_argument("--concurrency", type=int, help="requests kept in flight")
-    load.add_argument("--rate", type=float, help="new requests per second (open loop)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier")
-    if sweep:
-        load.add_argument("--sweep", type=int, metavar="STAGES",
-                          help="synchronous, saturated, and STAGES-2 rates evenly between them")
-        load.add_argument("--sweep-max-concurrency", type=int, default=64, help="the saturated end of a sweep")
-    load.add_argument("--max-requests", type=int, help="measured requests per stage")
-    load.add_argument("--max-duration", type=float, metavar="SECONDS", help="per stage, warm-up included")
-    load.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
-                      help="requests sent this early in a stage are not measured")
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser, prompts_from_text: bool = True) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--mix", default="standard=1", help="tier shares sent as service_tier, e.g. fast=0.1,standard=0.9")
-    work.add_argument("--prompt-tokens", default="256", help="exact, or mean=N,stdev=S,min=A,max=B")
-    work.add_argument("--output-tokens", default="128", help="exact, or mean=N,stdev=S,min=A,max=B")
-    work.add_argument("--seed", type=int, default=0)
-    if prompts_from_text:
-        work.add_argument("--natural-output", action="store_true",
-                          help="let outputs end at EOS (default: ignore_eos, so lengths are as drawn)")
-        work.add_argument("--dataset", help="JSONL of {\"prompt\": ..., \"output_tokens\": N}")
-        work.add_argument("--tokenizer", help="a folder with tokenizer.json, a .gguf, or 'gemma3-270m' "
-                                              "(default: --model, where tollway can load it)")
-
-
-def add_result_arguments(parser: argparse.ArgumentParser, price_help: str) -> None:
-    out = parser.add_argument_group("results")
-    out.add_argument("--slo", help="goodput limits, e.g. ttft=500ms,tpot=50ms,fast:tpot=20ms")
-    out.add_argument("--usd-per-hour", type=float, help=price_help)
-    out.add_argument("--output", default=DEFAULT_OUTPUT, help=f"folder for the JSON and HTML (default {DEFAULT_OUTPUT})")
-    out.add_argument("--label", help="this run's name in reports")
-    out.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser, single_url: bool = True) -> None:
@@ -74,18 +36,10 @@ def add_parsers(sub) -> None:
     add_bench_arguments(compare, single_url=False)
 
 
-def workload_from_args(args):
-    from tollway.bench.workload import Lengths, Workload, parse_mix
-
-    return Workload(Lengths.parse(args.prompt_tokens, "--prompt-tokens"),
-                    Lengths.parse(args.output_tokens, "--output-tokens"), not getattr(args, "natural_output", False),
-                    parse_mix(args.mix), getattr(args, "dataset", None), args.seed)
-
-
 def bench_config(args, url: str):
-    from tollway.bench.load import Limits
-    from tollway.bench.run import BenchConfig, pattern_from_args
-    from tollway.bench.stats import SLO
+    from tollway.bench.run import BenchConfig
+    from tollway.traffic.patterns import Limits, pattern_from_args
+    from tollway.traffic.stats import SLO
 
     if args.usd_per_hour is not None and args.usd_per_hour < 0:
         raise ValueError("--usd-per-hour must be >= 0")
@@ -117,8 +71,8 @@ def served_model(url: str, api_key: str | None) -> str:
 
 def load_tokenizer(args):
     """The tokenizer prompts are measured with; None where only a dataset is sent and none is given."""
-    from tollway.text.tokenizer import Tokenizer
     from tollway.checkpoint import ModelNotFoundError, tokenizer_path
+    from tollway.text.tokenizer import Tokenizer
 
     name = args.tokenizer or args.model
     candidate = Path(name).expanduser()
@@ -137,8 +91,9 @@ def load_tokenizer(args):
 
 
 def bench_main(args) -> int:
-    from tollway.bench.report import write_report
-    from tollway.bench.run import run_bench, write_result
+    from tollway.bench.run import run_bench
+    from tollway.traffic.report import write_report
+    from tollway.traffic.results import write_result
 
     args.model = args.model or served_model(args.url, args.api_key)
     result = run_bench(bench_config(args, args.url), load_tokenizer(args), show=not args.quiet)
@@ -152,9 +107,10 @@ def bench_main(args) -> int:
 
 def compare_main(args) -> int:
     from tollway.bench.compare import side_figures, sides, table
-    from tollway.bench.console import stdout_console
-    from tollway.bench.report import write_report
-    from tollway.bench.run import run_bench, write_result
+    from tollway.bench.run import run_bench
+    from tollway.traffic.console import stdout_console
+    from tollway.traffic.report import write_report
+    from tollway.traffic.results import write_result
 
     args.model = args.model or served_model(args.url[0], args.api_key)
     tokenizer = load_tokenizer(args)
@@ -173,8 +129,8 @@ def compare_main(args) -> int:
 
 
 def report_main(args) -> int:
-    from tollway.bench.report import load_result, resummarize, write_report
-    from tollway.bench.stats import SLO
+    from tollway.traffic.report import load_result, resummarize, write_report
+    from tollway.traffic.stats import SLO
 
     slo = SLO.parse(args.slo) if args.slo is not None else None
     results = [resummarize(load_result(Path(f)), slo, args.usd_per_hour) for f in args.files]
@@ -183,11 +139,3 @@ def report_main(args) -> int:
         print_stages(result)
     print(f"tollway report: wrote {path}", file=sys.stderr)
     return 0
-
-
-def print_stages(result: dict) -> None:
-    from tollway.bench.console import stdout_console, tier_table
-
-    console = stdout_console()
-    for stage in result["stages"]:
-        console.print(tier_table(stage["summary"], f"{result['label']}: {stage['profile']['name']}"))

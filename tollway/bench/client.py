@@ -10,41 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
 
-from tollway.bench.workload import RequestSpec
-
-
-@dataclass
-class RequestRecord:
-    """Times are seconds on the bench's clock (perf_counter from the bench's start)."""
-
-    index: int
-    stage: str
-    tier: str
-    warmup: bool
-    prompt_tokens: int | None  # as sent; usage's count replaces it when the server gives one
-    max_tokens: int
-    sent: float
-    first_token: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # every chunk that carried text
-    end: float | None = None
-    output_tokens: int | None = None
-    cost: float | None = None  # the server's usage.cost in dollars (tollway reports it)
-    engine_seconds: float | None = None  # the server's usage.engine_seconds (tollway)
-    error: str | None = None  # its kind: http_429, timeout, connection, ...
-    error_message: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.end is not None
-
-    def to_dict(self) -> dict:
-        """As dataclasses.asdict, without its element-by-element deep copy: a simulated million
-        requests' token times took minutes that way."""
-        return {**vars(self), "chunk_times": list(self.chunk_times)}
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.workload import RequestSpec
 
 
 def server_root(url: str) -> str:

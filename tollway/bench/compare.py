@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from tollway.bench.console import fmt_ms, fmt_num
 from tollway.bench.run import BenchConfig
+from tollway.traffic.console import fmt_ms, fmt_num
 
 
 @dataclass

@@ -10,14 +10,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tollway.bench.client import OpenAIClient, now_clock
-from tollway.bench.console import LiveView
-from tollway.bench.load import Limits, LoadPattern, Stage, run_stage, sweep_rates
+from tollway.bench.load import run_stage
 from tollway.bench.server_metrics import StepScraper
-from tollway.bench.stats import SLO, summarize
-from tollway.bench.workload import Requests, Workload
-
-FORMAT = "tollway-bench/1"
-
+from tollway.traffic.console import LiveView
+from tollway.traffic.patterns import Limits, LoadPattern, Stage, sweep_rates
+from tollway.traffic.stats import SLO, summarize
+from tollway.traffic.workload import Requests, Workload
 
 @dataclass
 class BenchConfig:
@@ -41,18 +39,6 @@ class BenchConfig:
             raise ValueError(f"--sweep needs at least 2 stages, got {self.sweep}")
         if self.sweep is None and not self.patterns:
             raise ValueError("give one of --concurrency, --rate or --sweep")
-
-
-def pattern_from_args(concurrency: int | None, rate: float | None, burstiness: float) -> LoadPattern:
-    if (concurrency is None) == (rate is None):
-        raise ValueError("give one of --concurrency, --rate or --sweep")
-    if concurrency is not None:
-        if concurrency < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-        return LoadPattern(f"concurrency {concurrency}", concurrency=concurrency)
-    if not rate > 0 or not burstiness > 0:
-        raise ValueError("--rate and --burstiness must be > 0")
-    return LoadPattern(f"rate {rate:g}/s", rate=rate, burstiness=burstiness)
 
 
 def run_bench(config: BenchConfig, tokenizer=None, show: bool = True) -> dict:
@@ -99,16 +85,3 @@ async def _run(config: BenchConfig, requests: Requests, show: bool) -> dict:
         "usd_per_hour": config.usd_per_hour, "steps_exposed": scraper.available,
         "stages": [stage_dict(s, config.slo, config.usd_per_hour) for s in stages],
     }
-
-
-def stage_dict(s: Stage, slo: SLO, usd_per_hour: float | None) -> dict:
-    return {"profile": s.pattern.to_dict(), "start": s.start, "end": s.end,
-            "summary": summarize(s.records, slo, usd_per_hour), "steps": s.steps,
-            "requests": [r.to_dict() for r in s.records]}
-
-
-def write_result(result: dict, output: Path) -> Path:
-    output.mkdir(parents=True, exist_ok=True)
-    path = output / "bench.json"
-    path.write_text(json.dumps(result))  # no indent: the C encoder, and a million requests fit
-    return path

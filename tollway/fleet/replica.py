@@ -24,8 +24,7 @@ from tollway.config import EngineConfig, ServerConfig
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.router import RoutingHint
 from tollway.outputs import RequestOutput
-from tollway.request import SamplingParams
-from tollway.scheduler.scheduler import QueueFullError
+from tollway.request import QueueFullError, SamplingParams
 from tollway.server.log_level import uvicorn_logging
 
 HEALTH_SECONDS = 20.0  # an engine that takes longer to come round to a call is hung
@@ -93,15 +92,7 @@ class ReplicaEngine(AsyncEngine):
         """Take no more requests, and refuse every queued one that has not started (never
         run; preempted ones have, and stay). Returns how many were refused."""
         self.draining = True
-
-        def refuse(engine) -> int:
-            queued = engine.unstarted()
-            for request_id, _ in queued:
-                engine.abort(request_id)
-            self._deliver([(request_id, ReplicaDraining(tier), True) for request_id, tier in queued])
-            return len(queued)
-
-        return self.run(refuse).result()
+        return self.refuse_unstarted(ReplicaDraining)
 
 
 @dataclass
@@ -136,7 +127,7 @@ class Replica:
         metrics = Metrics(spec.model_name)
         gatekeeper, meter, batch_store = spec.build(spec.server, spec.config)
         self.engine = ReplicaEngine(Engine(spec.config, progress=False), on_step=metrics.on_step)
-        self.engine.engine.runner.fault_in_kv()
+        self.engine.fault_in_kv()
         # Every replica runs Batch API jobs; the shared store gives each job to one at a time.
         app = create_app(self.engine, spec.model_name, metrics, gatekeeper, batch_store, meter, spec.secret,
                          spec.server.sse_keep_alive, spec.server.canary,

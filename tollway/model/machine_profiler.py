@@ -19,9 +19,9 @@ from tqdm import tqdm
 from tollway.model.measured import device_name
 from tollway.model.step_profile import block_tables, profile_plans, samples_to_json
 from tollway.request import SamplingParams
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import StepTimeModel
-from tollway.sim.machine_profile import MachineProfile
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from tollway.config import SchedulerConfig
-from tollway.request import InvalidRequest, Request, RequestState, check_prompt_length
+from tollway.request import InvalidRequest, QueueFullError, Request, RequestState, check_prompt_length
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.plan import Change, ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
@@ -24,20 +24,10 @@ from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_cou
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
-RETRY_AFTER_SECONDS = 1
 # Takes each token a request appends; why the request must finish after it, as decided outside
 # the scheduler (engine.py): a stop string in its text, or its grammar complete ("stop", or
 # "length" where the grammar was cut short to fit).
 StopCheck = Callable[[Request, int], str | None]
-
-
-class QueueFullError(ValueError):
-    """A tier's waiting queue is at its bound: the request is refused, not queued."""
-
-    def __init__(self, tier: str, bound: int):
-        super().__init__(f"the {tier} queue is full ({bound} waiting); retry later")
-        self.tier = tier
-        self.retry_after = RETRY_AFTER_SECONDS
 
 
 class Scheduler:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
 from tollway.outputs import RequestOutput
-from tollway.request import InvalidRequest
-from tollway.scheduler.scheduler import QueueFullError
+from tollway.request import InvalidRequest, QueueFullError
 from tollway.server.call_ids import new_call_id
 from tollway.server.call_timing import CallTiming
 from tollway.server.errors import APIError

@@ -14,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tollway.bench.stats import percentile
 from tollway.config import TIERS
 from tollway.scheduler.step_model import StepShape
+from tollway.traffic.stats import percentile
 
 WINDOW = 60.0  # seconds: the figures per lane, the prefix-cache hit rate, the rates
 HISTORY = 120.0  # seconds: the charts over time

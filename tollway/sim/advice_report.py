@@ -9,10 +9,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from tollway.bench.console import fmt_ms, fmt_num
-from tollway.bench.plots import TIER_COLORS, _finished, plt
-from tollway.bench.report import _STYLE
 from tollway.sim.advisor import Advice
+from tollway.traffic.console import fmt_ms, fmt_num
+from tollway.traffic.plots import TIER_COLORS, finished_figure, plt
+from tollway.traffic.report import STYLE
 
 _MARKERS = "os^DvP*X"
 
@@ -63,7 +63,7 @@ def cost_against_tpot(advice: Advice) -> str | None:
             drawn = True
         if "tpot" in c.traffic.slo:
             ax.axvline(c.traffic.slo["tpot"] * 1e3, color="#888", linestyle=":", linewidth=1)
-    return _finished(fig, ax, drawn, "TPOT p99 (ms); dotted: each class's TPOT SLO", "$ per 1M output tokens",
+    return finished_figure(fig, ax, drawn, "TPOT p99 (ms); dotted: each class's TPOT SLO", "$ per 1M output tokens",
                      "Each class in each lane", loc="best")
 
 
@@ -78,7 +78,7 @@ def render(advice: Advice) -> str:
                 "yes" if o.meets and not o.breaks else "no", o.why_not)) + "</tr>")
     return "\n".join([
         f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title(advice))}</title>"
-        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title(advice))}</h1>",
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title(advice))}</h1>",
         f"<p class='meta'>{html.escape(summary_line(advice))}</p>",
         "<h2>Cost per 1M output tokens against TPOT p99</h2>",
         f"<figure class='plot' id='plot-cost-tpot'>{svg or '<p class=missing>Nothing to plot</p>'}</figure>",

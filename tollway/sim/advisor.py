@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from tollway.bench.client import RequestRecord
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.stats import SLO, percentile, request_latencies, summarize
-from tollway.bench.workload import Workload  # labels the run; the trace sets every request
-from tollway.config import SchedulerConfig, TIERS
-from tollway.sim.machine_profile import MachineProfile
+from tollway.config import TIERS, SchedulerConfig
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.sim.simulator import TraceRow, simulate
 from tollway.sim.traffic_classes import TrafficClass
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.stats import SLO, percentile, request_latencies, summarize
+from tollway.traffic.workload import Workload  # labels the run; the trace sets every request
 
 # Costs closer than this are a tie, which goes to the lane billed least (batch, then standard).
 TIE = 0.02

@@ -1,33 +1,24 @@
-"""The command lines of the simulator: `tollway profile`, `tollway simulate`, `tollway plan` and
-`tollway advise`."""
+"""The command lines of the simulator: `tollway simulate`, `tollway plan` and `tollway advise`."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from tollway.bench import cli as bench_cli
+from tollway.sim.hardware import HARDWARE
+from tollway.traffic import arguments
 
-DEFAULT_PROFILE = "tollway-profile.json"
 
-
-def add_parsers(sub, add_engine_arguments) -> None:
-    profile = sub.add_parser("profile", help="time the real runner over a grid of steps (or estimate a named "
-                                             "GPU's) and write the machine profile the simulator runs on")
-    profile.add_argument("--hardware", help="estimate from specs instead of measuring: " + ", ".join(_hardware_names()))
-    profile.add_argument("--output", default=DEFAULT_PROFILE, help=f"the profile JSON (default {DEFAULT_PROFILE})")
-    profile.add_argument("--usd-per-hour", type=float, help="one replica's price, kept in the profile")
-    profile.add_argument("--quick", action="store_true", help="a small grid (for a first look)")
-    add_engine_arguments(profile)
+def add_parsers(sub) -> None:
     simulate = sub.add_parser("simulate", help="run a workload on simulated replicas with the real scheduler; "
                                                "writes the same JSON and HTML as tollway bench")
     _add_machine_arguments(simulate)
     simulate.add_argument("--replicas", type=int, default=1)
     simulate.add_argument("--routing", default="least_outstanding", help="round_robin, least_outstanding, tier_aware")
     simulate.add_argument("--trace", help="JSONL of {arrival, tier, prompt_tokens, output_tokens}, instead of a load pattern")
-    bench_cli.add_load_arguments(simulate, sweep=False)
-    bench_cli.add_workload_arguments(simulate, prompts_from_text=False)
-    bench_cli.add_result_arguments(simulate, "the fleet's price (default: the profile's, per replica)")
+    arguments.add_load_arguments(simulate, sweep=False)
+    arguments.add_workload_arguments(simulate, prompts_from_text=False)
+    arguments.add_result_arguments(simulate, "the fleet's price (default: the profile's, per replica)")
     plan = sub.add_parser("plan", help="the cheapest fleet (replicas, batch cap, fast reserve) that meets every "
                                        "tier's SLOs at a target rate, by simulation")
     _add_machine_arguments(plan)
@@ -40,7 +31,7 @@ def add_parsers(sub, add_engine_arguments) -> None:
     plan.add_argument("--reserves", default="0.05,0.125,0.25", help="fast reserved_seq_share values to try")
     plan.add_argument("--usd-per-hour", type=float, help="one replica's price (default: the profile's)")
     plan.add_argument("--quiet", action="store_true")
-    bench_cli.add_workload_arguments(plan, prompts_from_text=False)
+    arguments.add_workload_arguments(plan, prompts_from_text=False)
     advise = sub.add_parser("advise", help="the cheapest lane (fast, standard, batch) for each class of traffic "
                                            "that meets its SLOs, by simulating the mix")
     _add_machine_arguments(advise)
@@ -62,37 +53,25 @@ def add_parsers(sub, add_engine_arguments) -> None:
     advise.add_argument("--quiet", action="store_true")
 
 
-def _hardware_names() -> list[str]:
-    from tollway.sim.hardware import HARDWARE
-
-    return list(HARDWARE)
-
-
 def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     machine = parser.add_argument_group("machine (one of)")
     machine.add_argument("--profile", help="a profile JSON from `tollway profile`")
-    machine.add_argument("--hardware", help="an analytic estimate: " + ", ".join(_hardware_names()))
+    machine.add_argument("--hardware", help="an analytic estimate: " + ", ".join(HARDWARE))
     machine.add_argument("--model", default="gemma3-270m", help="with --hardware: the model whose shapes to use")
     machine.add_argument("--config", help="a TOML file of [scheduler] and [tiers.<name>] settings")
     machine.add_argument("--policy", help="lanes, priority or fcfs")
 
 
 def _machine(args):
-    from tollway.sim.machine_profile import MachineProfile
+    from tollway.scheduler.machine_profile import MachineProfile
 
     if (args.profile is None) == (args.hardware is None):
         raise ValueError("give one of --profile or --hardware")
     if args.profile:
         return MachineProfile.load(args.profile)
-    return _estimate(args.hardware, args.model)
+    from tollway.sim.hardware import estimated_profile
 
-
-def _estimate(name: str, model: str):
-    from tollway.checkpoint import model_config
-    from tollway.sim.hardware import analytic_profile, hardware
-
-    spec = hardware(name)  # an unknown name fails before the model is read
-    return analytic_profile(model_config(model), model, spec)
+    return estimated_profile(args.hardware, args.model)
 
 
 def _scheduler_config(args):
@@ -106,42 +85,20 @@ def _scheduler_config(args):
     return config
 
 
-def profile_main(args) -> int:
-    if args.hardware:
-        profile = _estimate(args.hardware, args.model or "gemma3-270m")
-    else:
-        from tollway.cli import engine_config
-        from tollway.engine import Engine
-        from tollway.model.machine_profiler import Grid, measure
-
-        config = engine_config(args)
-        config.profile_steps = False  # the grid below is the profile
-        grid = Grid(decodes=(1, 8, 32), contexts=(128, 512), prefills=(0, 64), repeats=1, jitter_repeats=6) \
-            if args.quick else Grid()
-        profile = measure(Engine(config), grid)
-    if args.usd_per_hour is not None:
-        profile.usd_per_hour = args.usd_per_hour
-    profile.save(args.output)
-    kind = "estimated" if profile.estimate else "measured"
-    print(f"tollway profile: {kind} {len(profile.samples)} steps on {profile.hardware}; wrote {args.output}",
-          file=sys.stderr)
-    return 0
-
-
 def simulate_main(args) -> int:
-    from tollway.bench.load import Limits
-    from tollway.bench.report import write_report
-    from tollway.bench.run import pattern_from_args, write_result
-    from tollway.bench.stats import SLO
     from tollway.sim.simulator import read_trace, simulate
+    from tollway.traffic.patterns import Limits, pattern_from_args
+    from tollway.traffic.report import write_report
+    from tollway.traffic.results import write_result
+    from tollway.traffic.stats import SLO
 
     machine = _machine(args)
-    workload = bench_cli.workload_from_args(args)
+    workload = arguments.workload_from_args(args)
     trace = read_trace(args.trace) if args.trace else None
     if trace is not None:
         if args.concurrency is not None or args.rate is not None:
             raise ValueError("give a --trace or a load pattern (--concurrency, --rate), not both")
-        from tollway.bench.load import LoadPattern
+        from tollway.traffic.patterns import LoadPattern
 
         patterns = [LoadPattern(f"trace {Path(args.trace).name}")]
         limits = Limits(args.max_requests or len(trace), args.max_duration, args.warmup)
@@ -155,7 +112,7 @@ def simulate_main(args) -> int:
         result["label"] = args.label
     output = Path(args.output)
     json_path, html_path = write_result(result, output), write_report([result], output)
-    bench_cli.print_stages(result)
+    arguments.print_stages(result)
     sim = result["simulation"]
     print(f"tollway simulate: {sim['steps']} steps in {sim['wall_seconds']:.1f} s"
           + (" (an estimate from specs)" if sim["estimate"] else "") + f"; wrote {json_path} and {html_path}",
@@ -176,9 +133,9 @@ def _numbers(text: str, flag: str, kind):
 def plan_main(args) -> int:
     from rich.table import Table
 
-    from tollway.bench.console import fmt_num, stdout_console
-    from tollway.bench.stats import SLO
     from tollway.sim.planner import plan
+    from tollway.traffic.console import fmt_num, stdout_console
+    from tollway.traffic.stats import SLO
 
     machine = _machine(args)
     if args.usd_per_hour is not None:
@@ -187,7 +144,7 @@ def plan_main(args) -> int:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
     caps = tuple(_numbers(args.batch_caps, "--batch-caps", int))
     reserves = tuple(_numbers(args.reserves, "--reserves", float))
-    ranked = plan(_scheduler_config(args), machine, bench_cli.workload_from_args(args), args.qps, SLO.parse(args.slo),
+    ranked = plan(_scheduler_config(args), machine, arguments.workload_from_args(args), args.qps, SLO.parse(args.slo),
                   args.attainment, args.requests, args.max_replicas, caps, reserves, progress=not args.quiet)
     tiers = sorted({t for c in ranked for t in c.attainment})
     table = Table(title=f"tollway plan: {args.qps:g} req/s on {machine.hardware}"
@@ -208,10 +165,10 @@ def plan_main(args) -> int:
 
 
 def _traffic_classes(args):
-    from tollway.bench.stats import SLO
     from tollway.meter.ledger import parse_time
     from tollway.sim.ledger_classes import classes_from_ledger
     from tollway.sim.traffic_classes import check_percentile, load_classes
+    from tollway.traffic.stats import SLO
 
     if (args.classes is None) == (args.ledger is None):
         raise ValueError("give one of --classes (a TOML file) or --ledger")
@@ -229,9 +186,9 @@ def _traffic_classes(args):
 def advise_main(args) -> int:
     import json
 
-    from tollway.bench.console import stdout_console
     from tollway.sim import advice_report
     from tollway.sim.advisor import Advisor
+    from tollway.traffic.console import stdout_console
 
     classes = _traffic_classes(args)
     machine = _machine(args)

@@ -13,13 +13,12 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from tollway.bench.client import RequestRecord
-from tollway.bench.load import Limits, LoadPattern, Stage
-from tollway.bench.workload import Workload
-from tollway.request import SamplingParams
+from tollway.request import QueueFullError, SamplingParams
 from tollway.scheduler.plan import StepPlan, StepResult
-from tollway.scheduler.scheduler import QueueFullError
 from tollway.sim.step_series import step_series
+from tollway.traffic.patterns import Limits, LoadPattern, Stage
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.workload import Workload
 
 _TOKEN_IDS = (1000, 200_000)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tollway.model_config import ModelConfig
-from tollway.sim.machine_profile import MachineProfile
+from tollway.scheduler.machine_profile import MachineProfile
 
 # Achieved fractions of peak, typical of well-tuned inference kernels (vLLM/SGLang decode
 # reaches 70-85% of HBM bandwidth; prefill GEMMs 50-70% of dense peak).
@@ -116,3 +116,12 @@ def analytic_profile(m: ModelConfig, model_name: str, h: Hardware, max_num_seqs:
                           notes=(f"estimate from specs: {h.bandwidth_gb_s:g} GB/s x {BANDWIDTH_EFFICIENCY}, "
                                  f"{h.bf16_tflops:g} TFLOP/s bf16 x {COMPUTE_EFFICIENCY}, {h.fixed_seconds * 1e3:g} ms "
                                  "fixed per step"))
+
+
+def estimated_profile(name: str, model: str) -> MachineProfile:
+    """The analytic profile of the named hardware serving `model` (a name or path): an unknown
+    hardware name fails before the model is read."""
+    from tollway.checkpoint import model_config
+
+    spec = hardware(name)
+    return analytic_profile(model_config(model), model, spec)

@@ -12,9 +12,9 @@ import sqlite3
 import statistics
 from pathlib import Path
 
-from tollway.bench.stats import SLO
-from tollway.bench.workload import Lengths
 from tollway.sim.traffic_classes import TrafficClass
+from tollway.traffic.stats import SLO
+from tollway.traffic.workload import Lengths
 
 GROUP_BY = ("key", "tag")
 

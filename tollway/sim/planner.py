@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.stats import SLO
-from tollway.bench.workload import Workload
 from tollway.config import SchedulerConfig
-from tollway.sim.machine_profile import MachineProfile
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.sim.simulator import simulate
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.stats import SLO
+from tollway.traffic.workload import Workload
 
 
 @dataclass

@@ -28,23 +28,23 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tollway.bench.client import RequestRecord
-from tollway.bench.load import Limits, LoadPattern, Stage
-from tollway.bench.run import FORMAT, stage_dict
-from tollway.bench.stats import SLO
-from tollway.bench.workload import Workload, read_jsonl
 from tollway.config import SchedulerConfig
 from tollway.meter.attribution import READINESS, carry_readiness, shares
-from tollway.request import Request, SamplingParams
+from tollway.request import QueueFullError, Request, SamplingParams
+from tollway.scheduler.machine_profile import MachineProfile
 from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
-from tollway.scheduler.scheduler import QueueFullError, Scheduler
+from tollway.scheduler.scheduler import Scheduler
 from tollway.sim.coasting import Coasting
 from tollway.sim.coasting_scheduler import CoastingPlan, CoastingScheduler
-from tollway.sim.machine_profile import MachineProfile
 from tollway.sim.routing import make_router
 from tollway.sim.step_log import StepLog
 from tollway.sim.step_series import step_series
+from tollway.traffic.patterns import Limits, LoadPattern, Stage
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.results import FORMAT, stage_dict
+from tollway.traffic.stats import SLO
+from tollway.traffic.workload import Workload, read_jsonl
 
 _ARRIVAL, _STEP_DONE = 0, 1
 TOKEN_TIMES = 20_000

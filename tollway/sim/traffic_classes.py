@@ -17,9 +17,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tollway.bench.stats import SLO
-from tollway.bench.workload import Lengths
 from tollway.config import TIERS
+from tollway.traffic.stats import SLO
+from tollway.traffic.workload import Lengths
 
 _CLASS_KEYS = {"rate", "prompt_tokens", "output_tokens", "slo", "percentile", "lanes"}
 

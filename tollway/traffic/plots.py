@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 plt.rcParams["svg.fonttype"] = "none"  # text as text, not glyph paths: a fraction of the size
 
-from tollway.bench.stats import request_latencies  # noqa: E402
-from tollway.bench.client import RequestRecord  # noqa: E402
+from tollway.traffic.records import RequestRecord  # noqa: E402
+from tollway.traffic.stats import request_latencies  # noqa: E402
 
 TIER_COLORS = {"fast": "#d62728", "standard": "#1f77b4", "batch": "#2ca02c", "all": "#444444"}
 RUN_STYLES = ("-", "--", ":", "-.")
@@ -27,7 +27,7 @@ def _svg(fig) -> str:
     return text[text.index("<svg"):]
 
 
-def _finished(fig, ax, drawn: bool, xlabel: str, ylabel: str, title: str, **legend) -> str | None:
+def finished_figure(fig, ax, drawn: bool, xlabel: str, ylabel: str, title: str, **legend) -> str | None:
     """The figure as SVG with its labels, grid and legend; None (and closed) if nothing was drawn."""
     if not drawn:
         plt.close(fig)
@@ -92,7 +92,7 @@ def pareto(runs: list[dict]) -> str | None:
             for x, y, name in points:
                 ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
             drawn = True
-    return _finished(fig, ax, drawn, "tokens/s per user (1 / TPOT)", "total output tokens/s",
+    return finished_figure(fig, ax, drawn, "tokens/s per user (1 / TPOT)", "total output tokens/s",
                      "Throughput against speed per user, by stage")
 
 
@@ -112,7 +112,7 @@ def cost_curve(runs: list[dict]) -> str | None:
     if drawn:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-    return _finished(fig, ax, drawn, "requests in flight (mean)", "$ per 1M output tokens",
+    return finished_figure(fig, ax, drawn, "requests in flight (mean)", "$ per 1M output tokens",
                      "Cost per 1M output tokens against concurrency")
 
 
@@ -131,7 +131,7 @@ def step_sizes(runs: list[dict]) -> str | None:
                 ax.text(stage["start"], 1.0, stage["profile"]["name"], fontsize=7, va="top",
                         transform=ax.get_xaxis_transform())
             drawn = True
-    return _finished(fig, ax, drawn, "seconds since the bench started", "sequences per step (mean)",
+    return finished_figure(fig, ax, drawn, "seconds since the bench started", "sequences per step (mean)",
                      "The server's step size over time (from /metrics)", loc="upper right")
 
 

@@ -8,13 +8,13 @@ import html
 import json
 from pathlib import Path
 
-from tollway.bench.client import RequestRecord
-from tollway.bench.console import fmt_ms, fmt_num
-from tollway.bench.plots import PLOTS
-from tollway.bench.run import FORMAT
-from tollway.bench.stats import SLO, summarize
+from tollway.traffic.console import fmt_ms, fmt_num
+from tollway.traffic.plots import PLOTS
+from tollway.traffic.records import RequestRecord
+from tollway.traffic.results import FORMAT
+from tollway.traffic.stats import SLO, summarize
 
-_STYLE = """
+STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
@@ -59,7 +59,7 @@ def render(results: list[dict]) -> str:
         for r in results:
             r["label"] = f"{r['label']} {r['date']}"
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>tollway bench: "
-             f"{html.escape(', '.join(labels))}</title><style>{_STYLE}</style></head><body>",
+             f"{html.escape(', '.join(labels))}</title><style>{STYLE}</style></head><body>",
              "<h1>tollway bench</h1>"]
     for r in results:
         w = r["workload"]

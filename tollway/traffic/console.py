@@ -11,8 +11,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tollway.bench.load import Limits, LoadPattern
-from tollway.bench.stats import SLO, summarize
+from tollway.traffic.patterns import Limits, LoadPattern
+from tollway.traffic.stats import SLO, summarize
 
 
 class LiveView:

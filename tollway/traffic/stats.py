@@ -13,7 +13,7 @@ import operator
 from collections import Counter
 from dataclasses import dataclass
 
-from tollway.bench.client import RequestRecord
+from tollway.traffic.records import RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))

@@ -1,0 +1,41 @@
+"""`tollway profile`: time the real runner over a grid of steps on this machine (or estimate a
+named GPU's from its specs) and write the machine profile the simulator runs on."""
+from __future__ import annotations
+
+import sys
+
+from tollway.engine_arguments import add_engine_arguments, engine_config
+from tollway.sim.hardware import HARDWARE, estimated_profile
+
+DEFAULT_PROFILE = "tollway-profile.json"
+
+
+def add_parser(sub) -> None:
+    profile = sub.add_parser("profile", help="time the real runner over a grid of steps (or estimate a named "
+                                             "GPU's) and write the machine profile the simulator runs on")
+    profile.add_argument("--hardware", help="estimate from specs instead of measuring: " + ", ".join(HARDWARE))
+    profile.add_argument("--output", default=DEFAULT_PROFILE, help=f"the profile JSON (default {DEFAULT_PROFILE})")
+    profile.add_argument("--usd-per-hour", type=float, help="one replica's price, kept in the profile")
+    profile.add_argument("--quick", action="store_true", help="a small grid (for a first look)")
+    add_engine_arguments(profile)
+
+
+def profile_main(args) -> int:
+    if args.hardware:
+        profile = estimated_profile(args.hardware, args.model or "gemma3-270m")
+    else:
+        from tollway.engine import Engine
+        from tollway.model.machine_profiler import Grid, measure
+
+        config = engine_config(args)
+        config.profile_steps = False  # the grid below is the profile
+        grid = Grid(decodes=(1, 8, 32), contexts=(128, 512), prefills=(0, 64), repeats=1, jitter_repeats=6) \
+            if args.quick else Grid()
+        profile = measure(Engine(config), grid)
+    if args.usd_per_hour is not None:
+        profile.usd_per_hour = args.usd_per_hour
+    profile.save(args.output)
+    kind = "estimated" if profile.estimate else "measured"
+    print(f"tollway profile: {kind} {len(profile.samples)} steps on {profile.hardware}; wrote {args.output}",
+          file=sys.stderr)
+    return 0
