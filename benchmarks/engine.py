@@ -137,10 +137,10 @@ def profile_step(engine: Engine) -> dict:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        engine.step()
+        plan = engine.step().plan
         wall = time.perf_counter() - start
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return {
+    return plan, {
         "wall_seconds": wall,  # inflated by the profiler itself
         "op_self_seconds": sum(e.self_cpu_time_total for e in ops) / 1e6,
         "top_ops": [{"op": e.key, "calls": e.count, "self_seconds": e.self_cpu_time_total / 1e6} for e in ops[:10]],
@@ -162,15 +162,13 @@ def tollway_decode(engine: Engine, b: int, prompt_len: int, new_tokens: int, see
         while engine.has_unfinished():
             # Profile one full-width decode step, once the run has settled; it is not timed.
             if profiled is None and full_width_seen == 3:
-                profiled = profile_step(engine)
-                plan = engine.last_plan
+                plan, profiled = profile_step(engine)
                 profiled.update(num_decode=plan.num_decode, kernel=plan.kernel)
                 bar.update(plan.num_tokens)
                 continue
             start = time.perf_counter()
-            engine.step()
+            plan = engine.step().plan
             seconds = time.perf_counter() - start
-            plan = engine.last_plan
             steps.append({"seconds": seconds, "num_decode": plan.num_decode,
                           "prefill_tokens": plan.num_prefill_tokens, "kernel": plan.kernel})
             if plan.num_decode == b and not plan.num_prefill_tokens:
@@ -199,9 +197,8 @@ def tollway_prefill(engine: Engine, length: int, runs: int) -> dict:
         with torch.inference_mode():
             while engine.has_unfinished():
                 start = time.perf_counter()
-                engine.step()
-                steps.append({"seconds": time.perf_counter() - start, "tokens": engine.last_plan.num_tokens,
-                              "kernel": engine.last_plan.kernel})
+                plan = engine.step().plan
+                steps.append({"seconds": time.perf_counter() - start, "tokens": plan.num_tokens, "kernel": plan.kernel})
         attempts.append({"seconds": sum(s["seconds"] for s in steps), "steps": steps})
     best = min(a["seconds"] for a in attempts)
     return {"prompt_len": length, "chunk_tokens": engine.config.scheduler.max_num_batched_tokens,

@@ -60,8 +60,8 @@ def decode(engine: Engine, batch: int, grammar: str | None, max_tokens: int) -> 
                                                      ignore_eos=grammar is None), request_id=f"r{i}")
     steps, masks, tokens = [], [], 0
     while engine.has_unfinished():
-        outs = engine.step()
-        plan, result = engine.last_plan, engine.last_result
+        report = engine.step()
+        plan, result, outs = report.plan, report.result, report.outputs
         if all(s.is_decode for s in plan.seqs):  # decode steps only: prefill is the same either way
             steps.append(result.seconds)
             masks += list(result.own_seconds.values())

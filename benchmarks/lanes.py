@@ -100,10 +100,10 @@ class LoadRun:
                     self.add("fast", s["fast_prompt"], s["fast_tokens"], arrivals.pop(0))
                 sched = engine.scheduler
                 waiting_standard = len(sched.waiting["standard"])
-                outputs = engine.step()
+                report = engine.step()
                 done = time.monotonic()
-                plan, result = engine.last_plan, engine.last_result
-                if plan.seqs:
+                plan, result, outputs = report.plan, report.result, report.outputs
+                if report.ran:
                     scheduled = {x.request_id for x in plan.seqs}
                     skipped = sum(1 for r in sched.running.values() if r.tier == "standard" and r.request_id not in scheduled)
                     self.steps.append({
@@ -200,7 +200,7 @@ def idle_single_stream(engine: Engine, settings: dict, runs: int) -> dict:
             max_tokens=settings["fast_tokens"], temperature=0.0, ignore_eos=True), request_id="idle")
         times = []
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 times.append(time.monotonic())
         ttfts.append(times[0] - start)
         speeds.append((len(times) - 1) / (times[-1] - times[0]))

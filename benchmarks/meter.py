@@ -47,9 +47,9 @@ def run_scenario(engine: Engine, policy: str, with_fast: bool, settings: dict, m
     steps = 0
     with tqdm(total=total, desc=f"{policy}{'' if with_fast else ' (no fast)'}", unit="tok", leave=False) as bar:
         while engine.has_unfinished():
-            outputs = engine.step()
-            meter.on_step(engine, engine.last_plan, engine.last_result, outputs)
-            bar.update(sum(len(o.new_token_ids) for o in outputs))
+            report = engine.step()
+            meter.on_step(report)
+            bar.update(sum(len(o.new_token_ids) for o in report.outputs))
             steps += 1
     seconds = {rid: meter.release([rid]) for rid in tiers}
     per_tier = {}

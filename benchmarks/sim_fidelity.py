@@ -85,7 +85,7 @@ def measure_real(s: dict, saved: Path) -> None:
     # during the run than while profiled shows here.
     fitted, ratios = profile.step_model(adaptive=False), []
     real = stage_dict(run_on_engine(engine, workload, load, limits,
-                                    on_step=lambda plan, result: ratios.append(result.seconds / fitted.predict(plan.shape))),
+                                    on_step=lambda r: ratios.append(r.result.seconds / fitted.predict(r.plan.shape))),
                       SLO({}), None)
     saved.parent.mkdir(parents=True, exist_ok=True)
     # The engine's kernel crossover goes with the profile; the model bounds the context.

@@ -67,9 +67,8 @@ def run(settings: dict, quick: bool) -> dict:
             while engine.has_unfinished():
                 calls = len(head_calls)
                 start = time.perf_counter()
-                engine.step()
+                plan = engine.step().plan
                 seconds = time.perf_counter() - start
-                plan = engine.last_plan
                 if plan.num_prefill_tokens:
                     prefilling += seconds
                 else:

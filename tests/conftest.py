@@ -180,10 +180,11 @@ def run_to_completion():
         ids = [engine.add_request(p, params) for p in prompts]
         finals, plans = {}, []
         while engine.has_unfinished():
-            for out in engine.step():
+            report = engine.step()
+            for out in report.outputs:
                 if out.finished:
                     finals[out.request_id] = out
-            plans.append(engine.last_plan)
+            plans.append(report.plan)
         return [finals[i] for i in ids], plans
 
     return run

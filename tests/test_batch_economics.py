@@ -32,9 +32,7 @@ def test_the_decode_curve_falls_from_one_to_sixteen_sequences_under_mixed_lanes(
                                tier=lane_of(n))
             n += 1
         while engine.has_unfinished():
-            outputs = engine.step()
-            if engine.last_plan is not None:
-                stats.on_step(engine, engine.last_plan, engine.last_result, outputs)
+            stats.on_step(engine.step())
     e = stats.snapshot()["economics"]
     assert e["unsplit"] == 0 and 0 < e["prefill"]["share"] < 1 and e["prefill"]["median"] > 0
     bins = {b["seqs_max"]: b for b in e["bins"]}
@@ -49,8 +47,8 @@ def test_a_step_splits_between_its_decodes_and_its_prefill(engine):
     engine.step()
     engine.add_request("A second prompt, prefilled while the first decodes. " * 3, SamplingParams(max_tokens=4))
     while plan is None or not (any(s.is_generation for s in plan.seqs) and not all(s.is_generation for s in plan.seqs)):
-        engine.step()
-        plan, result = engine.last_plan, engine.last_result
+        report = engine.step()
+        plan, result = report.plan, report.result
     model = engine.scheduler.step_model
     split = StepSplit.of(plan, result, model)
     decodes = [s for s in plan.seqs if s.is_generation]

@@ -44,7 +44,7 @@ def test_streamed_deltas_add_up_to_the_text(engine):
     rid = engine.add_request("Write a short poem about the moon.", SamplingParams(temperature=0.8, seed=7, max_tokens=24))
     pieces, final = [], None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid:
                 pieces.append(out.new_text)
                 final = out
@@ -142,7 +142,7 @@ def test_each_output_carries_what_its_step_added_and_the_last_the_whole(engine):
     rid = engine.add_request("Count: one, two,", SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))
     ids, logprobs, counts, final = [], [], [], None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid:
                 ids += out.new_token_ids
                 logprobs += out.new_logprobs

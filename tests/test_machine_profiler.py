@@ -42,7 +42,7 @@ def test_a_measured_profile_round_trips_and_drives_the_simulator(make_engine, tm
     # The engine's side of the fidelity check records the same workload the same way, steps too.
     runner_seconds = []
     measured = run_on_engine(engine, workload, load, Limits(max_requests=8), progress=False,
-                             on_step=lambda plan, result: runner_seconds.append(result.seconds))
+                             on_step=lambda report: runner_seconds.append(report.result.seconds))
     assert [(r.prompt_tokens, r.output_tokens, len(r.chunk_times)) for r in measured.records] == [(24, 6, 6)] * 8
     assert len(runner_seconds) == sum(p["steps"] for p in measured.steps) and min(runner_seconds) > 0
     for steps in (measured.steps, result["stages"][0]["steps"]):

@@ -12,7 +12,10 @@ from tollway.meter.ledger import Ledger
 from tollway.meter.meter import Meter
 from tollway.meter.price_card import PriceCard
 from tollway.request import SamplingParams
+from tollway.scheduler.occupancy import Occupancy
+from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.step_model import StepTimeModel
+from tollway.step_report import StepReport
 
 from coeffs_scale import COEFFS, at_this_scale
 
@@ -33,13 +36,13 @@ def _mixed_run(make_engine, tmp_path, policy: str):
     meter.watch(tiers)
     capped = 0
     while engine.has_unfinished():
-        outputs = engine.step()
-        plan = engine.last_plan
+        report = engine.step()
+        plan = report.plan
         capped += plan.capped_by == "fast" and {s.tier for s in plan.seqs} > {"fast"}
         # Billed at the model's time for the step, not the measured one: a loaded machine
         # stretches small steps most (fixed costs), which would blur the premium under test.
-        result = dataclasses.replace(engine.last_result, seconds=engine.step_model.predict(plan.shape))
-        meter.on_step(engine, plan, result, outputs)
+        result = dataclasses.replace(report.result, seconds=engine.step_model.predict(plan.shape))
+        meter.on_step(dataclasses.replace(report, result=result))
     seconds = {rid: meter.release([rid]) for rid in tiers}
     return meter, seconds, tiers, capped
 
@@ -73,18 +76,19 @@ def test_fast_tokens_cost_more_under_lanes_and_the_same_without(make_engine, tmp
     assert _per_token(seconds, tiers, "fast") == pytest.approx(_per_token(seconds, tiers, "standard"), rel=0.25)
 
 
-def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
-    from types import SimpleNamespace
+def _report(plan: StepPlan, result: StepResult) -> StepReport:
+    """A step's report as the engine gives it to the meter, planned with COEFFS."""
+    return StepReport(plan, result, [], Occupancy({}, {}, 0, 1), step_model=StepTimeModel(COEFFS))
 
-    from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
-    engine = SimpleNamespace(step_model=StepTimeModel(COEFFS))
+
+def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
     meter = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "ledger.sqlite"))
     meter.watch(["s", "f"])
     greedy = SamplingParams(temperature=0)
 
     def step(step_id, *seqs, capped_by="fast"):
         seqs = [ScheduledSeq(rid, tier, (1,), 100, (0,), True, greedy) for rid, tier in seqs]
-        meter.on_step(engine, StepPlan(step_id, seqs, "int8", capped_by=capped_by), StepResult(step_id, {}, 0.1), [])
+        meter.on_step(_report(StepPlan(step_id, seqs, "int8", capped_by=capped_by), StepResult(step_id, {}, 0.1)))
 
     step(1, ("s", "standard"))  # kept short for a fast lane with no request in it
     held = meter.readiness_seconds
@@ -100,17 +104,13 @@ def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
 def test_a_requests_own_work_is_charged_to_it_alone(tmp_path):
     """A grammar's mask is one request's work (StepResult.own_seconds): that request pays it on
     top of its share of the rest of the step, and the step still adds up."""
-    from types import SimpleNamespace
-
-    from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
-    engine = SimpleNamespace(step_model=StepTimeModel(COEFFS))
     greedy = SamplingParams(temperature=0)
     seqs = [ScheduledSeq(rid, "standard", (1,), 100, (0,), True, greedy) for rid in ("a", "b")]
     plain = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "plain.sqlite"))
     masked = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "masked.sqlite"))
     for meter, result in ((plain, StepResult(1, {}, 0.1)), (masked, StepResult(1, {}, 0.13, {"a": 0.03}))):
         meter.watch(["a", "b"])
-        meter.on_step(engine, StepPlan(1, seqs, "int8"), result, [])
+        meter.on_step(_report(StepPlan(1, seqs, "int8"), result))
     assert plain.release(["a"]) == pytest.approx(0.05) and plain.release(["b"]) == pytest.approx(0.05)
     assert masked.release(["a"]) == pytest.approx(0.08) and masked.release(["b"]) == pytest.approx(0.05)
     assert masked.attributed_seconds == pytest.approx(masked.busy_seconds)

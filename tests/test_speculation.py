@@ -149,9 +149,10 @@ def test_fast_lane_speculation_leaves_greedy_output_unchanged(make_engine, run_t
     engine.add_request(prompt, params, tier="fast", request_id="fast")
     fast, plans = None, []
     while engine.has_unfinished():
-        for out in engine.step():
+        report = engine.step()
+        for out in report.outputs:
             fast = out if out.finished else fast
-        plans.append(engine.last_plan)
+        plans.append(report.plan)
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     drafted = [s for p in plans for s in p.seqs if s.num_draft]
     assert drafted, "no drafts were sent"

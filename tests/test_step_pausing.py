@@ -36,7 +36,7 @@ def _prompts(engine, count: int, words: int) -> list[list[int]]:
 def _tokens_alone(engine, prompt, tier="standard") -> list[int]:
     rid = engine.add_request(prompt, PARAMS, tier=tier)
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == rid and out.finished:
                 return out.token_ids
     raise AssertionError("never finished")
@@ -47,14 +47,15 @@ def test_a_fast_request_runs_beside_a_paused_step_and_no_greedy_output_changes(e
     want = [_tokens_alone(engine, p) for p in standard] + [_tokens_alone(engine, fast_prompt, "fast")]
     ids = [engine.add_request(p, PARAMS) for p in standard]
     engine.runner.step_yield.ask()  # as the server does when it hands the engine a fast request
-    assert engine.step() == [] and engine.last_plan is None and engine.runner.paused_step is not None
+    paused = engine.step()
+    assert paused.paused and paused.plan is None and paused.outputs == [] and engine.runner.paused_step is not None
     fast = engine.add_request(fast_prompt, PARAMS, tier="fast")
     engine.runner.step_yield.clear()
     first = engine.step()  # the fast prompt, beside the paused step
-    assert [o.request_id for o in first] == [fast] and [s.request_id for s in engine.last_plan.seqs] == [fast]
-    got, order = {o.request_id: o for o in first}, []
+    assert [o.request_id for o in first.outputs] == [fast] and [s.request_id for s in first.plan.seqs] == [fast]
+    got, order = {o.request_id: o for o in first.outputs}, []
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             got[out.request_id] = out
             order.append(out.request_id)
     assert [got[rid].token_ids for rid in ids + [fast]] == want
@@ -71,14 +72,14 @@ def test_a_request_aborted_while_its_step_is_paused_is_withdrawn_when_the_step_e
     pool = engine.scheduler.pool
     ids = [engine.add_request(p, PARAMS) for p in (a, b)]
     engine.runner.step_yield.ask()
-    assert engine.step() == [] and engine.runner.paused_step is not None
+    assert engine.step().paused and engine.runner.paused_step is not None
     engine.runner.step_yield.clear()
     held = pool.num_free
     assert engine.abort(ids[0]) is None and engine.abort_all() == []  # both in the paused step
     assert pool.num_free == held and engine.scheduler.get(ids[0]) is not None
     outs = []
     while engine.has_unfinished():  # the paused step ends, though no fast request came
-        outs += engine.step()
+        outs += engine.step().outputs
     ended = {o.request_id: o for o in outs if o.finished}
     assert ended[ids[0]].finish_reason == ended[ids[1]].finish_reason == "abort"
     assert len(ended[ids[0]].token_ids) == 1  # the paused step's token, then withdrawn
@@ -89,7 +90,7 @@ def test_a_request_aborted_beside_a_paused_step_goes_at_once(engine):
     prompt = _prompts(engine, 1, 100)[0]
     standard = engine.add_request(prompt, PARAMS)
     engine.runner.step_yield.ask()
-    assert engine.step() == []
+    assert engine.step().paused
     engine.runner.step_yield.clear()
     late = engine.add_request(prompt[::-1], PARAMS)  # waiting: not in the paused step
     out = engine.abort(late)
@@ -151,4 +152,5 @@ def test_with_pausing_off_a_step_runs_whole_whatever_is_asked(make_engine):
     assert engine.scheduler.config.pause_layers == 0
     engine.add_request(_prompts(engine, 1, 60)[0], PARAMS)
     engine.runner.step_yield.ask()
-    assert len(engine.step()) == 1 and engine.runner.paused_step is None and engine.steps_paused == 0
+    report = engine.step()
+    assert not report.paused and len(report.outputs) == 1 and engine.runner.paused_step is None and engine.steps_paused == 0

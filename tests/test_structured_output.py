@@ -47,7 +47,7 @@ def run(engine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
         engine.add_request(prompt, params, request_id=rid)
     outs = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 outs[out.request_id] = out
     return outs
@@ -102,8 +102,7 @@ def test_the_mask_is_the_constrained_requests_own_time(engine):
     engine.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=0.0), request_id="u")
     seen = []
     while engine.has_unfinished():
-        engine.step()
-        seen.append(engine.last_result.own_seconds)
+        seen.append(engine.step().result.own_seconds)
     assert all(set(own) <= {"g"} for own in seen)
     assert sum(1 for own in seen if own.get("g", 0) > 0) == 4  # one mask per token it sampled
     assert len(engine.runner.grammars) == 0  # let go when it finished

@@ -126,7 +126,7 @@ def test_auto_with_a_template_that_renders_tools(make_engine, default_weights):
         assert "get_weather" in tokenizer.decode(sub.prompts[0])  # the template showed the tools
         engine.add_request(sub.prompts[0], sub.params[0], request_id=name)
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 outputs[out.request_id] = out
     reader = ToolCallReader(ToolCalling(None, True))

@@ -25,6 +25,9 @@ import torch
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
 from tollway.request import SamplingParams
+from tollway.scheduler.occupancy import Occupancy
+from tollway.scheduler.plan import StepPlan
+from tollway.step_report import StepReport
 
 
 class EngineDeadError(RuntimeError):
@@ -84,9 +87,9 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
-        """on_step(engine, plan, result, outputs): called on the engine thread after every
-        step that ran, before its outputs are handed out (metrics, the meter); and with plan
-        and result None for the final outputs of requests aborted between steps. More can be
+        """on_step(report): called with each StepReport on the engine thread, before its
+        outputs are handed out (metrics, the meter): after every step that ran or paused, and
+        with no plan for the final outputs of requests aborted between steps. More can be
         added with observe()."""
         self.engine = engine
         self._fast_lane = engine.scheduler.policy.fast_lane  # read-only: safe from any thread
@@ -135,7 +138,7 @@ class AsyncEngine:
                 yield out
 
     def observe(self, on_step) -> None:
-        """Call on_step(engine, plan, result, outputs) after every step from now on."""
+        """Call on_step(report) after every step from now on."""
         self._observers = (*self._observers, on_step)  # one assignment: the engine thread sees old or new
 
     def abort(self, request_id: str) -> None:
@@ -206,27 +209,27 @@ class AsyncEngine:
             self.engine.runner.step_yield.clear()
             block = not self.engine.has_unfinished()
             if self._drain(block):
-                self._publish(None)  # before anyone hears of what the commands did
+                self._publish(self.engine.occupancy())  # before anyone hears of what the commands did
             self._end_aborted()
             if self.engine.has_unfinished():
-                outputs = self.engine.step()
-                plan, result = self.engine.last_plan, self.engine.last_result
-                if plan is not None and plan.seqs:
-                    self.longest_step = max(self.longest_step, result.seconds)
+                report = self.engine.step()
+                if report.ran:
+                    self.longest_step = max(self.longest_step, report.result.seconds)
+                if report.ran or report.paused:
                     for observe in self._observers:
-                        observe(self.engine, plan, result, outputs)
-                self._publish(plan)
-                self._deliver([(out.request_id, out, out.finished) for out in outputs])
+                        observe(report)
+                self._publish(report.occupancy, report.plan)
+                self._deliver([(out.request_id, out, out.finished) for out in report.outputs])
                 if self._aborted:  # a caller whose event loop closed meanwhile
-                    self._publish(None)
+                    self._publish(self.engine.occupancy())
                     self._end_aborted()
 
-    def _publish(self, plan) -> None:
+    def _publish(self, occupancy: Occupancy, plan: StepPlan | None = None) -> None:
         """Occupancy, and when each running request last ran, as of now."""
         now = time.monotonic()
         ran = {s.request_id for s in plan.seqs} if plan is not None else ()
         self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in self.engine.running()}
-        self.occupancy = self.engine.occupancy()
+        self.occupancy = occupancy
 
     def _drain(self, block: bool) -> bool:
         """Apply the commands posted so far; whether there were any."""
@@ -274,8 +277,9 @@ class AsyncEngine:
         """Aborted requests' final outputs: to the observers, then to their streams."""
         while self._aborted:
             outputs, self._aborted = self._aborted, []
+            report = StepReport(None, None, outputs, self.engine.occupancy())
             for observe in self._observers:
-                observe(self.engine, None, None, outputs)
+                observe(report)
             self._deliver([(out.request_id, out, True) for out in outputs])
 
     def _deliver(self, items: list[tuple[str, object, bool]]) -> None:

@@ -182,7 +182,7 @@ def _generate(args) -> int:
                                          add_special_tokens=False)
     request_id = engine.add_request(prompt, params, tier=args.tier)
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == request_id:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()

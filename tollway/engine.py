@@ -27,6 +27,7 @@ from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
 from tollway.scheduler.step_model import StepTimeModel
+from tollway.step_report import StepReport
 from tollway.text.stream import TextStream
 
 
@@ -117,8 +118,6 @@ class Engine:
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
-        self.last_plan: StepPlan | None = None  # the step that last ended; None after one paused
-        self.last_result: StepResult | None = None
         self._paused_plan: StepPlan | None = None  # the plan of the step paused between layers
         self._fast_turn = False  # beside a paused step: a fast step goes next (else the paused step)
         self.steps_paused = 0  # steps that stopped for a fast arrival
@@ -225,24 +224,23 @@ class Engine:
                 if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
 
     # -- the loop -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step, and its outputs. A step without a fast request may stop between two layers
-        where the runner's step_yield asks (a fast request arrived: the server asks as it hands
-        one over); it then returns no outputs (last_plan None), and the next calls run fast
-        steps beside it and it in slices, turn about, until it ends (see _beside_paused)."""
+    def step(self) -> StepReport:
+        """One step: its plan, result and outputs. A step without a fast request may stop
+        between two layers where the runner's step_yield asks (a fast request arrived: the
+        server asks as it hands one over); its report is then `paused`, with no plan, and the
+        next calls run fast steps beside it and it in slices, turn about, until it ends (see
+        _beside_paused)."""
         if self.runner.paused_step is not None:
             return self._beside_paused()
         plan = self.scheduler.plan()
-        self.last_plan = plan
         if not plan.seqs:
-            return []
+            return self._report(None, None, [])
         result = self.runner.execute(plan, pausable=self._may_pause(plan))
         if result is None:
             self.scheduler.suspend()
             self._paused_plan, self._fast_turn = plan, True
             self.steps_paused += 1
-            self.last_plan = self.last_result = None
-            return []
+            return self._report(None, None, [], paused=True)
         return self._commit(plan, result)
 
     def _may_pause(self, plan: StepPlan) -> bool:
@@ -252,7 +250,7 @@ class Engine:
         return bool(self.scheduler.config.pause_layers) and fast_lane("fast") and not any(
             fast_lane(s.tier) for s in plan.seqs)
 
-    def _beside_paused(self) -> list[RequestOutput]:
+    def _beside_paused(self) -> StepReport:
         """A step paused between layers: first a step of the fast requests not in it (the
         scheduler plans only those while it is suspended); then the paused step runs on, while
         fast requests run only until the next of their tokens is due (the fast TPOT target
@@ -262,34 +260,36 @@ class Engine:
             self._fast_turn = False
             plan = self.scheduler.plan()
             if plan.seqs:
-                self.last_plan = plan
                 result = self.runner.execute(plan)
-                outputs = self._commit(plan, result)
+                report = self._commit(plan, result)
                 tpot = self.scheduler.tiers["fast"].tpot_target
                 fast_running = tpot is not None and self.scheduler.running_in("fast")
                 pause.deadline = time.monotonic() + max(0.0, tpot - result.seconds) if fast_running else None
-                return outputs
+                return report
             pause.deadline = None
         result = self.runner.resume()
         if result is None:
             self._fast_turn = True
-            self.last_plan = self.last_result = None
-            return []
+            return self._report(None, None, [], paused=True)
         pause.deadline = None
         self.scheduler.resume()
         plan, self._paused_plan = self._paused_plan, None
-        self.last_plan = plan
-        outputs = self._commit(plan, result)
         withdrawn, self._abort_after_paused = self._abort_after_paused, set()
-        return outputs + [out for out in map(self.abort, sorted(withdrawn)) if out is not None]
+        return self._commit(plan, result, withdrawn)
 
-    def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        self.last_result = result
-        outputs = []
+    def _commit(self, plan: StepPlan, result: StepResult, withdraw: set[str] = frozenset()) -> StepReport:
+        """`withdraw`: requests aborted while the step ran, withdrawn once it has committed."""
         now = time.monotonic()
-        for req, new_ids in self.scheduler.commit(plan, result, self._stop_check):  # more than one where drafts held
-            outputs.append(self._output(req, new_ids, now))
-        return outputs
+        changes = self.scheduler.commit(plan, result, self._stop_check)  # several tokens each where drafts held
+        outputs = [self._output(req, new_ids, now) for req, new_ids in changes]
+        outputs += [out for out in map(self.abort, sorted(withdraw)) if out is not None]
+        return self._report(plan, result, outputs)
+
+    def _report(self, plan: StepPlan | None, result: StepResult | None, outputs: list[RequestOutput],
+                paused: bool = False) -> StepReport:
+        preempted = tuple(t for t in map(self.tier_of, plan.preempted) if t is not None) \
+            if plan is not None and plan.preempted else ()
+        return StepReport(plan, result, outputs, self.occupancy(), preempted, self.step_model, paused)
 
     def _stop_check(self, request: Request, token_id: int) -> str | None:
         """Feed the token to the request's text, and to its grammar: why it must finish, if it

@@ -43,7 +43,7 @@ class LLM:
             while len(results) < len(ids):
                 if not self.engine.has_unfinished():
                     raise RuntimeError("the engine stopped with requests unfinished")
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -18,7 +18,7 @@ from tollway.meter.attribution import attribute, carry_readiness
 from tollway.meter.budgets import Budgets
 from tollway.meter.ledger import Ledger, LedgerRow
 from tollway.meter.price_card import PriceCard
-from tollway.scheduler.plan import StepPlan, StepResult
+from tollway.step_report import StepReport
 
 # Without a step model (profiling off), a step is split by tokens alone.
 _TOKENS_ONLY = [0.0, 1.0, 0.0, 0.0, 0.0]
@@ -36,10 +36,10 @@ class Meter:
         self.readiness_seconds = 0.0  # idle capacity held for the fast lane, not yet charged
         self.tier_seconds = dict.fromkeys(TIERS, 0.0)  # attributed_seconds by the lane charged
 
-    def on_step(self, engine, plan: StepPlan | None, result: StepResult | None, outputs) -> None:
-        if plan is None:  # requests aborted between steps: every step they were in is charged already
+    def on_step(self, report: StepReport) -> None:
+        if not report.ran:  # requests aborted between steps: every step they were in is charged already
             return
-        model = engine.step_model
+        plan, result, model = report.plan, report.result, report.step_model
         coefficients = model.coefficients.get(plan.kernel, _TOKENS_ONLY) if model is not None else _TOKENS_ONLY
         # A request's own work (its grammar's mask) is its alone; the rest of the step is shared.
         own = result.own_seconds

@@ -108,10 +108,10 @@ def engine_overhead(engine, sizes: tuple[int, ...] = (1, 16), new_tokens: int = 
         with torch.inference_mode():
             while engine.has_unfinished():
                 start = time.perf_counter()
-                engine.step()
+                report = engine.step()
                 wall = time.perf_counter() - start
-                if engine.last_plan is not None and engine.last_plan.seqs:
-                    points.append((len(engine.last_plan.seqs), max(0.0, wall - engine.last_result.seconds)))
+                if report.ran:
+                    points.append((len(report.plan.seqs), max(0.0, wall - report.result.seconds)))
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((x - mx) ** 2 for x in xs)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from tollway.config import TIERS
 from tollway.scheduler.step_model import StepShape
+from tollway.step_report import StepReport
 from tollway.traffic.stats import percentile
 
 WINDOW = 60.0  # seconds: the figures per lane, the prefix-cache hit rate, the rates
@@ -86,12 +87,13 @@ class LiveStats:
     def _meter_totals(self) -> tuple[float, ...]:
         return tuple(self.meter.tier_seconds[t] for t in TIERS) if self.meter else (0.0,) * len(TIERS)
 
-    def on_step(self, engine, plan, result, outputs) -> None:
-        """Called on the engine thread after a step that ran (plan has sequences); aborts
-        between steps (plan None) are no step, and no finish."""
-        if plan is None:
+    def on_step(self, report: StepReport) -> None:
+        """Called on the engine thread with each step's report; aborts between steps and paused
+        steps are no step, and no finish."""
+        if not report.ran:
             return
-        held, now = engine.occupancy(), time.monotonic()
+        plan, result, outputs = report.plan, report.result, report.outputs
+        held, now = report.occupancy, time.monotonic()
         tokens, finished = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
         queried = hits = generated = 0
         ttft, tpot = [], []
@@ -114,7 +116,7 @@ class LiveStats:
             held.kv_usage, tuple(held.running[t] for t in TIERS), tuple(held.waiting[t] for t in TIERS),
             tuple(tokens[t] for t in TIERS), tuple(b - a for a, b in zip(self._charged, charged)),
             tuple(finished[t] for t in TIERS), queried, hits,
-            StepSplit.of(plan, result, engine.scheduler.step_model))
+            StepSplit.of(plan, result, report.step_model))
         self._charged = charged
         with self._lock:
             self._steps.append(sample)

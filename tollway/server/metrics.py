@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tollway.config import TIERS
+from tollway.step_report import StepReport
 
 _LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
@@ -63,9 +64,11 @@ class Metrics:
                               ["model_name"], registry=r)
         self.accepted = Counter("tollway:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                 ["model_name"], registry=r)
+        self.steps_paused = Counter("tollway:steps_paused", "Steps stopped between layers for a fast arrival.",
+                                    ["model_name"], registry=r)
         self._last_token: dict[str, float] = {}
         self._children: dict[tuple, object] = {}  # (metric, labels) -> its labelled child
-        self._pending: deque[tuple] = deque()  # (plan, result, preempted tiers, outputs) not yet counted
+        self._pending: deque[StepReport] = deque()  # not yet counted
         self._folding = threading.Lock()
 
     def _of(self, metric, *labels):
@@ -77,13 +80,10 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def on_step(self, engine, plan, result, outputs) -> None:
-        """Called on the engine thread after a step that ran (plan has sequences), and with
-        plan None for requests aborted between steps. Recorded; fold() counts it."""
-        preempted = ()
-        if plan is not None and plan.preempted:  # their tiers now: they may be gone by the fold
-            preempted = [t for t in map(engine.tier_of, plan.preempted) if t is not None]
-        self._pending.append((plan, result, preempted, outputs))
+    def on_step(self, report: StepReport) -> None:
+        """Called on the engine thread with each step's report (and with the final outputs of
+        requests aborted between steps). Recorded; fold() counts it."""
+        self._pending.append(report)
         if len(self._pending) >= FOLD_EVERY:
             self.fold()
 
@@ -91,13 +91,15 @@ class Metrics:
         """Count the steps recorded so far, in order (from either thread)."""
         with self._folding:
             while self._pending:
-                plan, result, preempted, outputs = self._pending.popleft()
-                if plan is not None:
-                    self._on_plan(plan, result, preempted)
-                for out in outputs:
+                report = self._pending.popleft()
+                if report.ran:
+                    self._on_plan(report.plan, report.result, report.preempted_tiers)
+                if report.paused:
+                    self._of(self.steps_paused, self.model).inc()
+                for out in report.outputs:
                     self._on_output(out)
 
-    def _on_plan(self, plan, result, preempted: list[str]) -> None:
+    def _on_plan(self, plan, result, preempted: tuple[str, ...]) -> None:
         m, of = self.model, self._of
         of(self.step_seqs, m).observe(len(plan.seqs))
         of(self.step_tokens, m).observe(plan.num_tokens)
@@ -172,10 +174,7 @@ class _EngineCollector:
                                       "takes, and stretches of KV held with no request (the watchdog's).",
                                       labels=["model_name"])
         stalled.add_metric([self.model], self.watchdog.stalls)
-        paused = CounterMetricFamily("tollway:steps_paused", "Steps stopped between layers for a fast arrival.",
-                                     labels=["model_name"])
-        paused.add_metric([self.model], self.engine.engine.steps_paused)  # an int the engine thread bumps
-        return [running, waiting, kv, stalled, paused]
+        return [running, waiting, kv, stalled]
 
 
 class _MeterCollector:

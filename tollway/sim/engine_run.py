@@ -14,7 +14,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from tollway.request import QueueFullError, SamplingParams
-from tollway.scheduler.plan import StepPlan, StepResult
+from tollway.step_report import StepReport
 from tollway.sim.step_series import step_series
 from tollway.traffic.patterns import Limits, LoadPattern, Stage
 from tollway.traffic.records import RequestRecord
@@ -24,8 +24,8 @@ _TOKEN_IDS = (1000, 200_000)
 
 
 def run_on_engine(engine, workload: Workload, pattern: LoadPattern, limits: Limits, progress: bool = True,
-                  on_step: Callable[[StepPlan, StepResult], None] | None = None) -> Stage:
-    """`on_step(plan, result)` after every step that ran something."""
+                  on_step: Callable[[StepReport], None] | None = None) -> Stage:
+    """`on_step(report)` after every step that ran something."""
     limits.check()
     draws, ids, gaps = random.Random(workload.seed), random.Random(workload.seed + 2), random.Random(workload.seed + 1)
     start = time.perf_counter()
@@ -74,13 +74,13 @@ def run_on_engine(engine, workload: Workload, pattern: LoadPattern, limits: Limi
                 time.sleep(max(0.0, due - clock()))
                 continue
             began = clock()
-            outputs = engine.step()
+            report = engine.step()
             now = clock()
-            if engine.last_plan is not None and engine.last_plan.num_seqs:
-                steps.append((began, engine.last_plan.num_seqs, engine.last_plan.num_tokens, now - began))
+            if report.ran:
+                steps.append((began, report.plan.num_seqs, report.plan.num_tokens, now - began))
                 if on_step is not None:
-                    on_step(engine.last_plan, engine.last_result)
-            for out in outputs:
+                    on_step(report)
+            for out in report.outputs:
                 record = records[out.request_id]
                 if out.new_token_ids:
                     record.first_token = record.first_token if record.first_token is not None else now
