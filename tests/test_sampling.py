@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def test_penalties_and_bias_follow_the_definition_over_the_requests_own_output()
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: -3.0, 2: 1.5})
     output = [3, 3, 3, 9, 2]
     seq = ScheduledSeq("r", "standard", (11, 12, 5, 9), 20, (0,), True, params, num_draft=2,
-                       output_token_ids=tuple(output))
+                       output_counts=dict(Counter(output)))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     got = logits.clone()
     adjust_logits(got, [seq])
@@ -207,7 +208,7 @@ def test_a_row_is_adjusted_the_same_alone_or_in_a_batch():
     logits = torch.randn(8, 300, generator=gen)
     seqs = [_seq(SamplingParams(temperature=0, presence_penalty=0.1 * i, frequency_penalty=-0.2 * i,
                                 logit_bias={i: 5.0 * i}), rid=str(i))._replace(
-                output_token_ids=tuple(torch.randint(0, 300, (10 * i,), generator=gen).tolist())) for i in range(8)]
+                output_counts=dict(Counter(torch.randint(0, 300, (10 * i,), generator=gen).tolist()))) for i in range(8)]
     batched = logits.clone()
     adjust_logits(batched, seqs)
     for i, seq in enumerate(seqs):
@@ -220,7 +221,7 @@ def test_a_row_is_adjusted_the_same_alone_or_in_a_batch():
 def test_greedy_rows_with_a_penalty_or_bias_take_the_adjusted_argmax():
     logits = LOGITS.clone().unsqueeze(0)  # argmax 0
     biased = _seq(SamplingParams(temperature=0, logit_bias={0: -100.0}))
-    penalized = _seq(SamplingParams(temperature=0, frequency_penalty=2.0))._replace(output_token_ids=(0,))
+    penalized = _seq(SamplingParams(temperature=0, frequency_penalty=2.0))._replace(output_counts={0: 1})
     assert not only_argmax_needed([biased]) and not only_argmax_needed([penalized])
     assert sample(logits.clone(), [biased], torch.Generator())[0][0].token_id == 1
     assert sample(logits.clone(), [penalized], torch.Generator())[0][0].token_id == 1

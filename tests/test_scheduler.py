@@ -206,7 +206,7 @@ def test_generated_tokens_are_cached_too():
     sched.add(a)
     run_to_end(sched)
     # a's KV covered its prompt and its first 5 outputs: two full blocks.
-    b = req("b", a.all_token_ids + [7], max_tokens=1)
+    b = req("b", list(a.all_token_ids) + [7], max_tokens=1)
     sched.add(b)
     (s,) = sched.plan().seqs
     assert s.start_pos == 8
@@ -463,7 +463,7 @@ class FakeRunner:
         tokens = {}
         for s in plan.seqs:
             r = (requests or {}).get(s.request_id) or self.sched.get(s.request_id)
-            known = r.all_token_ids + list(s.drafts)  # what the KV is computed from, drafts included
+            known = list(r.all_token_ids) + list(s.drafts)  # what the KV is computed from, drafts included
             assert s.num_new >= 1 and s.token_ids == tuple(known[s.start_pos:s.context_len])
             assert not s.num_draft or (r.tier == "fast" and s.start_pos == r.num_tokens - 1 and s.sample)
             assert len(s.block_table) * bs >= s.context_len

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -133,22 +134,64 @@ class Request:
     finished_time: float | None = None
     num_steps: int = 0  # steps that ran with this request in them
     steps_to_first_token: int | None = None
+    # How often each token was generated, kept as tokens come where penalties count them
+    output_counts: dict[int, int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.params.penalizes_repeats:
+            self.output_counts = {}
+
+    def add_output(self, token_ids: Iterable[int]) -> None:
+        """Append generated tokens."""
+        output, counts = self.output_token_ids, self.output_counts
+        before = len(output)
+        output.extend(token_ids)
+        if counts is not None:
+            for t in output[before:]:
+                counts[t] = counts.get(t, 0) + 1
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenIds:
+        """Prompt then output, as one sequence, without joining them."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """all_token_ids[start:end] without concatenating the whole list (each step asks)."""
-        prompt, output = self.prompt_token_ids, self.output_token_ids
-        if start >= len(prompt):
-            return tuple(output[start - len(prompt):end - len(prompt)])
-        return tuple(prompt[start:end]) + tuple(output[:max(0, end - len(prompt))])
+        return tuple(self.all_token_ids[start:end])
 
     @property
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
+
+
+class TokenIds(Sequence[int]):
+    """A request's prompt and output as one read-only sequence over both lists: a slice costs
+    its own length, never the request's (a step reads a request's tail, not its history)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self.prompt[index] if index < n else self.output[index - n]

@@ -105,7 +105,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq], masks: dict[st
         p = seq.params
         if p.penalizes_repeats:
             for i in range(len(rows)):  # row i samples after the first i drafts: they count too
-                _penalize(rows[i], (*seq.output_token_ids, *seq.drafts[:i]), p.presence_penalty, p.frequency_penalty)
+                _penalize(rows[i], seq.output_counts or {}, seq.drafts[:i], p.presence_penalty, p.frequency_penalty)
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
@@ -115,11 +115,17 @@ def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq], masks: dict[st
         row += seq.num_logit_rows
 
 
-def _penalize(row: torch.Tensor, generated: tuple[int, ...], presence: float, frequency: float) -> None:
-    """OpenAI's penalties: row[t] -= presence * (count_t > 0) + frequency * count_t."""
-    if generated:
-        ids, counts = torch.tensor(generated, device=row.device).unique(return_counts=True)
-        row[ids] -= presence + frequency * counts.to(row.dtype)
+def _penalize(row: torch.Tensor, counts: dict[int, int], drafts: tuple[int, ...], presence: float,
+              frequency: float) -> None:
+    """OpenAI's penalties: row[t] -= presence * (count_t > 0) + frequency * count_t, counting the
+    request's output and the drafts before the row."""
+    if drafts:
+        counts = dict(counts)
+        for t in drafts:
+            counts[t] = counts.get(t, 0) + 1
+    if counts:
+        ids = torch.tensor(list(counts), device=row.device)
+        row[ids] -= presence + frequency * torch.tensor(list(counts.values()), device=row.device, dtype=row.dtype)
 
 
 def _draw_plain(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator,

@@ -30,8 +30,9 @@ class ScheduledSeq(NamedTuple):
     params: SamplingParams
     num_draft: int = 0
     banned_token_ids: tuple[int, ...] = ()  # not to be sampled this step (min_tokens not reached)
-    # the request's generated tokens before this step, only where its penalties count them
-    output_token_ids: tuple[int, ...] = ()
+    # How often the request generated each token before this step, where its penalties count
+    # them: the request's own, not a copy (it changes only when the step that holds it commits).
+    output_counts: dict[int, int] | None = None
 
     @property
     def drafts(self) -> tuple[int, ...]:

@@ -241,7 +241,7 @@ class Scheduler:
             request.num_computed_tokens = seq.context_len - seq.num_draft + max(0, len(tokens) - 1)
             reason, first_new = None, len(request.output_token_ids)
             for token in tokens:
-                request.output_token_ids.append(token.token_id)
+                request.add_output((token.token_id,))
                 if token.logprob is not None:
                     request.output_logprobs.append(
                         {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
@@ -425,8 +425,7 @@ class Scheduler:
         self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
-                            request.params, len(drafts), self._banned(request),
-                            tuple(request.output_token_ids) if request.params.penalizes_repeats else ())
+                            request.params, len(drafts), self._banned(request), request.output_counts)
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.params

@@ -172,7 +172,7 @@ class CoastingScheduler(Scheduler):
             self.pool.allocate(rid, coaster.offset + last_step + 1, promised=used)
         steps = last_step - coaster.anchor
         if steps > 0:
-            request.output_token_ids.extend(self._coasting.tokens(steps))
+            request.add_output(self._coasting.tokens(steps))
             request.num_computed_tokens = coaster.computed + steps
             bs = self.pool.block_size
             if coaster.computed // bs != request.num_computed_tokens // bs:
