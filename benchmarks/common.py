@@ -161,6 +161,17 @@ def save_json(benchmarks: Path, name: str, result: dict, quick: bool) -> Path:
     return out
 
 
+def write_record(name: str, result: dict, quick: bool, markdown, *figures: str) -> str:
+    """How every benchmark keeps its figures: results/<name>.json (out/<name>-quick.json for a
+    quick run), and markdown(result, the JSON's path, *figures) as its section of
+    benchmarks/README.md (a full run's only). Returns the section."""
+    benchmarks = Path(__file__).resolve().parent
+    section = markdown(result, str(save_json(benchmarks, name, result, quick)), *figures)
+    if not quick:
+        write_readme(benchmarks / "README.md", name, section)
+    return section
+
+
 def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, figures=None,
                   options: dict[str, dict] | None = None, per_cpu_kind: bool = False, name_suffix=None) -> None:
     """The command line every benchmark shares. run(settings, quick) -> result; then the JSON,
@@ -182,10 +193,7 @@ def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, f
     if per_cpu_kind:
         name += cpu_kind_suffix()
     result = run(settings, args.quick)
-    written = [str(save_json(benchmarks, name, result, args.quick))]
-    written += figures(result, args.quick) if figures else []
-    section = markdown(result, *written)
-    if not args.quick:
-        write_readme(benchmarks / "README.md", name, section)
-    print(section)
+    drawn = figures(result, args.quick) if figures else []
+    print(write_record(name, result, args.quick, markdown, *drawn))
+    written = [f"{'out' if args.quick else 'results'}/{name}{'-quick' if args.quick else ''}.json", *drawn]
     print("\nwrote " + ", ".join(f"benchmarks/{w}" for w in written) + ("" if args.quick else " and benchmarks/README.md"))

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import machine_info, write_readme  # noqa: E402
+from common import machine_info, write_record  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
@@ -416,7 +416,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the linear layers alone and profile a few steps (torch profiler)")
     parser.add_argument("--report", metavar="JSON",
-                        help="redo the comparison from a results file's measured profile; rewrite the README section")
+                        help="redo the comparison from a results file's measured profile; rewrite "
+                             "results/h200_profile.json and its README section")
     args = parser.parse_args()
     if args.report:
         # The device's timings are kept (the measured profile beside the results): the
@@ -425,10 +426,7 @@ def main() -> None:
         result = json.loads(path.read_text())
         samples = json.loads((path.parent / "h200_profile_measured.json").read_text())["samples"]
         result |= analysis(samples, ModelConfig.from_hf_config(result["model_config"]), hw.hardware("H200"))
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        section = markdown(result, str(path.resolve().relative_to(BENCHMARKS)))
-        write_readme(BENCHMARKS / "README.md", "h200_profile", section)
-        print(section)
+        print(write_record("h200_profile", result, False, markdown))
         return
     args.out = args.out or str(BENCHMARKS / ("out" if args.quick else "results"))
     name = "h200_profile-quick.json" if args.quick else "h200_profile.json"

@@ -46,7 +46,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
 
-from common import machine_info, targets_line, write_readme  # noqa: E402
+from common import machine_info, targets_line, write_record  # noqa: E402
 from tollway.config import EngineConfig, SchedulerConfig  # noqa: E402
 from tollway.engine import Engine  # noqa: E402
 from tollway.model.machine_profiler import Grid, measure  # noqa: E402
@@ -233,14 +233,7 @@ def main() -> int:
         measure_real(settings, saved)
     elif not saved.exists():
         parser.error(f"--resimulate needs {saved.relative_to(here)} from an earlier run")
-    result = run(settings, saved)
-    path = here / ("out/sim_fidelity-quick.json" if args.quick else "sim_fidelity.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    section = markdown(result, str(path.relative_to(here)))
-    if not args.quick:
-        write_readme(here / "README.md", "sim_fidelity", section)
-    print(section)
+    print(write_record("sim_fidelity", run(settings, saved), args.quick, markdown))
     return 0
 
 

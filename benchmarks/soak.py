@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sqlite3
@@ -29,7 +28,7 @@ import httpx
 from tqdm import tqdm
 
 from bench_example import free_port, wait_ready
-from common import machine_info, write_readme
+from common import machine_info, write_record
 
 BENCHMARKS = Path(__file__).resolve().parent
 
@@ -155,7 +154,7 @@ def run(args) -> dict:
             "load_average_at_end": os.getloadavg()[0]}
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, raw: str) -> str:
     s, m, ledger = result["settings"], result["machine"], result["ledger"]
     ended = ", ".join(f"{n} {how}" for how, n in sorted(result["ended"].items(), key=lambda x: -x[1]))
     flags = " ".join(s["serve_flag"]) or "no flags (defaults)"
@@ -165,7 +164,7 @@ def markdown(result: dict) -> str:
         f"{m['load_average_at_start']:.1f} at start, {result['load_average_at_end']:.1f} at end). "
         f"{s['requests']} requests of {s['prompt_tokens']} prompt tokens and {s['max_tokens']} new tokens, "
         f"{s['concurrency']} clients at a time, half streaming; {s['hang_up']:.0%} of clients hang up, at a random "
-        f"moment within {s['hang_up_within']:.0f} s or after a random number of chunks. Raw: `results/soak.json`.",
+        f"moment within {s['hang_up_within']:.0f} s or after a random number of chunks. Raw: `{raw}`.",
         "",
         f"Ran {result['elapsed_seconds']:.0f} s ({result['requests_per_second']:.2f} requests/s): {ended}.",
         "",
@@ -197,15 +196,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--serve-flag", action="append", default=[], help="passed to `tollway serve`; repeat")
-    parser.add_argument("--output", type=Path, default=BENCHMARKS / "results" / "soak.json")
+    parser.add_argument("--quick", action="store_true", help="writes benchmarks/out/ only (any settings)")
     args = parser.parse_args()
     result = run(args)
-    result["settings"]["output"] = str(args.output)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
-    section = markdown(result)
-    write_readme(BENCHMARKS / "README.md", "soak", section)
-    print(section)
+    print(write_record("soak", result, args.quick, markdown))
     return 0 if all(result["checks"].values()) else 1
 
 

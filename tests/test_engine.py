@@ -84,8 +84,10 @@ def test_prompt_longer_than_context_is_refused(make_engine):
 
 
 def test_bad_token_ids_are_refused(engine):
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(InvalidRequest, match="token id 1000000000, past"):
         engine.add_request([1, 2, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequest, match="token ids must be integers"):
+        engine.add_request([1, 2.5], SamplingParams())
 
 
 def test_text_a_tokenizer_encodes_past_the_models_vocabulary_is_refused(engine, monkeypatch):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tollway.config import POLICIES, SchedulerConfig
-from tollway.request import Request, RequestState, SamplingParams
+from tollway.request import InvalidRequest, Request, RequestState, SamplingParams, Submission
 from block_checks import assert_ref_counts
 from tollway.scheduler.plan import SampledToken, StepResult
 from tollway.scheduler.scheduler import Scheduler
@@ -62,14 +62,23 @@ def run_to_end(sched: Scheduler, max_steps=1000) -> list:
 
 # ---- add() --------------------------------------------------------------------------------
 
-def test_add_rejects_bad_requests_with_clear_messages():
+def test_a_submission_is_checked_once_at_the_edge_with_clear_messages():
+    with pytest.raises(InvalidRequest, match="^prompt is empty$"):
+        Submission.check([], SamplingParams(), 100, 10)
+    with pytest.raises(InvalidRequest, match="^prompt is 10 tokens, but the context is 10$"):
+        Submission.check(list(range(10)), SamplingParams(), 100, 10)
+    with pytest.raises(InvalidRequest, match="^the prompt has token id 100, past this model's 100 tokens$"):
+        Submission.check([1, 100], SamplingParams(), 100, 10)
+    with pytest.raises(InvalidRequest, match=r"integers in \[0, 100\)"):
+        Submission.check([1, -1], SamplingParams(), 100, 10)
+    with pytest.raises(InvalidRequest, match="max_tokens") as refused:
+        Submission.check([1], SamplingParams(max_tokens=0), 100, 10)
+    assert refused.value.param == "max_tokens"
+    assert Submission.check(list(range(9)), SamplingParams(), 100, 10).prompt_token_ids == list(range(9))
+
+
+def test_add_refuses_what_only_the_scheduler_knows():
     sched = make(max_model_len=10, block_size=4, num_blocks=64)
-    with pytest.raises(ValueError, match="^prompt is empty$"):
-        sched.add(req("a", []))
-    with pytest.raises(ValueError, match="^prompt is 10 tokens, but the context is 10$"):
-        sched.add(req("a", range(10)))
-    with pytest.raises(ValueError, match="max_tokens"):
-        sched.add(req("a", [1], max_tokens=0))
     sched.add(req("a", range(9)))
     with pytest.raises(ValueError, match="'a' is already in use"):
         sched.add(req("a", [1]))

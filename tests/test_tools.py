@@ -121,7 +121,7 @@ def test_auto_with_a_template_that_renders_tools(make_engine, default_weights):
     outputs = {}
     for name, bias in (("call", 100), ("text", -100)):
         sub = validate(chat(tools=[WEATHER, TIME], logit_bias={str(brace): bias}, temperature=0, max_tokens=60),
-                       MODEL, tokenizer, 4096)
+                       MODEL, tokenizer, engine.model_config.vocab_size, 4096)
         assert sub.tools == ToolCalling(None, True)
         assert "get_weather" in tokenizer.decode(sub.prompts[0])  # the template showed the tools
         engine.add_request(sub.prompts[0], sub.params[0], request_id=name)
@@ -186,5 +186,5 @@ def test_auto_on_a_template_without_tools_is_a_400_naming_tool_choice(server):  
 
 
 def test_sampling_params_carry_the_grammar(default_tokenizer):
-    sub = validate(chat(tools=[WEATHER], tool_choice="required", n=2), MODEL, default_tokenizer, 4096)
+    sub = validate(chat(tools=[WEATHER], tool_choice="required", n=2), MODEL, default_tokenizer, 262144, 4096)
     assert all(isinstance(p, SamplingParams) and p.grammar and p.grammar == sub.params[0].grammar for p in sub.params)

@@ -24,7 +24,7 @@ import torch
 
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
-from tollway.request import SamplingParams
+from tollway.request import SamplingParams, Submission
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan
 from tollway.step_report import StepReport
@@ -106,16 +106,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="tollway-engine", daemon=True)
         self._thread.start()
 
-    async def add(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
-                  request_id: str | None = None) -> RequestStream:
-        """Submit a request. Bad input (a ValueError: a full queue, a prompt too long, bad
-        sampling values) is raised here; outputs then come from the returned stream. A caller
-        cancelled while the add is queued leaves nothing behind: the request is aborted once
-        it lands."""
+    def check(self, prompt: str | list[int], params: SamplingParams) -> Submission:
+        """Engine.check, from any thread: InvalidRequest for bad input."""
+        return self.engine.check(prompt, params)
+
+    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> RequestStream:
+        """Submit a request checked at the edge (check(), or the server's validation). What only
+        the scheduler knows is raised here (QueueFullError, InvalidRequest for a prompt past its
+        lane's KV share); outputs then come from the returned stream. A caller cancelled while
+        the add is queued leaves nothing behind: the request is aborted once it lands."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
-        self._post(("add", prompt, params, tier, request_id, loop, outputs, added))
+        self._post(("add", submission, tier, request_id, loop, outputs, added))
         if self._fast_lane(tier):  # the step in flight stops after its current layer to let it in
             self.engine.runner.step_yield.ask()
         try:
@@ -131,8 +134,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """add() and iterate: the request's outputs until it finishes."""
-        stream = await self.add(prompt, params, tier, request_id)
+        """check(), add() and iterate: the request's outputs until it finishes."""
+        stream = await self.add(self.check(prompt, params), tier, request_id)
         async with stream:
             async for out in stream:
                 yield out
@@ -180,6 +183,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     @property
     def alive(self) -> bool:
@@ -247,11 +254,11 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prompt, params, tier, request_id, loop, outputs, added = command
+            _, submission, tier, request_id, loop, outputs, added = command
             if not added.set_running_or_notify_cancel():
                 return  # its caller was cancelled while this was queued: nothing to add
             try:
-                rid = self.engine.add_request(prompt, params, tier=tier, request_id=request_id)
+                rid = self.engine.submit(submission, tier, request_id)
             except ValueError as e:
                 added.set_exception(e)
                 return

@@ -15,6 +15,7 @@ from tollway.model.host_memory import available_memory, return_freed_memory
 from tollway.model.runner import ModelRunner, kv_dtype_for
 from tollway.text.tokenizer import IncrementalDetokenizer
 from tollway.model.grammar import Grammars
+from tollway.output_follower import TextAndGrammar
 from tollway.model.kernel_profile import cached_int8_crossover
 from tollway.model.measured import remembered
 from tollway.model.native.early_builds import start_native_builds
@@ -22,7 +23,7 @@ from tollway.model.step_profile import profile_key, profile_step_times, samples_
 from tollway.checkpoint import cache_root, derived_cache_file
 from tollway.model.weights import LoadedModel, load_weights
 from tollway.outputs import RequestOutput
-from tollway.request import InvalidRequest, Request, SamplingParams
+from tollway.request import InvalidRequest, Request, SamplingParams, Submission
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import StepPlan, StepResult
 from tollway.scheduler.scheduler import Scheduler
@@ -115,7 +116,6 @@ class Engine:
         self.config = config
         sched.pause_layers = self.model_config.num_layers if sched.pause_for_fast and self.runner.model.ops.pauses else 0
         self.scheduler = Scheduler(sched, self.step_model)
-        self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
         self._paused_plan: StepPlan | None = None  # the plan of the step paused between layers
@@ -133,36 +133,32 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, tier: str = "standard",
                     request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
+        """The Python caller's edge: text or token ids, checked, then submitted."""
+        return self.submit(self.check(prompt, params or SamplingParams()), tier, request_id)
+
+    def check(self, prompt: str | list[int], params: SamplingParams) -> Submission:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-            if ids and max(ids) >= self.model_config.vocab_size:  # a tokenizer with more tokens than the model
-                raise InvalidRequest(f"the prompt's text encodes to token id {max(ids)}, past this model's "
-                                     f"{self.model_config.vocab_size} tokens", "prompt")
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})",
-                                     "prompt")
-        request_id = request_id or f"req-{next(self._ids)}"
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        grammars = self.runner.grammars
+            prompt = self.tokenizer.encode(prompt)
+        return Submission.check(list(prompt), params, self.model_config.vocab_size, self.max_model_len)
+
+    def submit(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> str:
+        """A request checked at the edge, taken on trust; the scheduler still refuses what only it
+        knows (QueueFullError, or InvalidRequest where a lane's KV share cannot hold the prompt)."""
+        params = submission.params
+        grammar = None
         if params.grammar is not None:
-            if grammars is None:
+            if self.runner.grammars is None:
                 raise InvalidRequest("this model has no tokenizer, so it cannot follow a grammar", "response_format")
-            grammars.add(request_id, params.grammar)
-        try:
-            self.scheduler.add(Request(request_id, ids, params, tier=tier, eos_token_ids=tuple(eos)))
-        except BaseException:
-            if grammars is not None:
-                grammars.drop(request_id)
-            raise
-        if self.tokenizer is not None:
-            self.streams[request_id] = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop)
-        return request_id
+            grammar = self.runner.grammars.start(params.grammar)
+        request = Request(request_id or f"req-{next(self._ids)}", submission.prompt_token_ids, params, tier=tier,
+                          eos_token_ids=tuple(self.tokenizer.eos_token_ids if self.tokenizer else ()), grammar=grammar)
+        if self.tokenizer is not None or grammar is not None:
+            stream = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop) if self.tokenizer else None
+            request.follower = TextAndGrammar(stream, grammar)
+        self.scheduler.add(request)
+        return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Withdraw an unfinished request, waiting or running: its blocks and slot are freed
@@ -280,7 +276,7 @@ class Engine:
     def _commit(self, plan: StepPlan, result: StepResult, withdraw: set[str] = frozenset()) -> StepReport:
         """`withdraw`: requests aborted while the step ran, withdrawn once it has committed."""
         now = time.monotonic()
-        changes = self.scheduler.commit(plan, result, self._stop_check)  # several tokens each where drafts held
+        changes = self.scheduler.commit(plan, result)  # several tokens each where drafts held
         outputs = [self._output(req, new_ids, now) for req, new_ids in changes]
         outputs += [out for out in map(self.abort, sorted(withdraw)) if out is not None]
         return self._report(plan, result, outputs)
@@ -291,18 +287,8 @@ class Engine:
             if plan is not None and plan.preempted else ()
         return StepReport(plan, result, outputs, self.occupancy(), preempted, self.step_model, paused)
 
-    def _stop_check(self, request: Request, token_id: int) -> str | None:
-        """Feed the token to the request's text, and to its grammar: why it must finish, if it
-        completed a stop string or the grammar."""
-        stream = self.streams.get(request.request_id)
-        stopped = stream is not None and stream.push(token_id)
-        grammars = self.runner.grammars
-        completed = grammars.consume(request.request_id, token_id) if grammars is not None else None
-        return "stop" if stopped else completed
-
     def _output(self, req: Request, new_ids: list[int], now: float) -> RequestOutput:
-        """The request's output as of now; the last one when it has finished (its text stream is
-        then let go)."""
+        """The request's output as of now; the last one when it has finished."""
         finished = req.finished
         out = RequestOutput(
             request_id=req.request_id, tier=req.tier, prompt_token_ids=req.prompt_token_ids,
@@ -314,9 +300,7 @@ class Engine:
             first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
             time=now, num_steps=req.num_steps, steps_to_first_token=req.steps_to_first_token,
         )
-        stream = self.streams.pop(req.request_id, None) if finished else self.streams.get(req.request_id)
-        if finished and self.runner.grammars is not None:
-            self.runner.grammars.drop(req.request_id)
+        stream = req.follower.stream if req.follower is not None else None
         if stream is not None:
             out.new_text = stream.release(finished)
             if finished:

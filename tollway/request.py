@@ -5,6 +5,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 class InvalidRequest(ValueError):
@@ -28,8 +29,14 @@ class QueueFullError(ValueError):
         self.retry_after = RETRY_AFTER_SECONDS
 
 
-def check_prompt_length(num_tokens: int, context: int) -> None:
-    """A prompt must leave room in the context for at least one generated token."""
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, context: int) -> None:
+    """Token ids the model has, and room left in the context for at least one generated token."""
+    if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    past = max(prompt_token_ids, default=-1)
+    if past >= vocab_size:  # a text prompt too, where the tokenizer has more tokens than the model
+        raise InvalidRequest(f"the prompt has token id {past}, past this model's {vocab_size} tokens", "prompt")
+    num_tokens = len(prompt_token_ids)
     if num_tokens == 0:
         raise InvalidRequest("prompt is empty", "prompt")
     if num_tokens >= context:
@@ -107,6 +114,30 @@ class SamplingParams:
         return self.penalizes_repeats or bool(self.logit_bias) or self.grammar is not None
 
 
+@dataclass(frozen=True)
+class Submission:
+    """One request as checked at the edge (the server's validation, or Engine.add_request for a
+    Python caller): its prompt's token ids within the vocabulary, the prompt within the context,
+    its sampling values valid. Below the edge it is trusted; what only the scheduler knows (a
+    lane's KV share, a full queue, an id in use) is checked there."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+    @classmethod
+    def check(cls, prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, context: int) -> Submission:
+        """Raises InvalidRequest naming the field at fault."""
+        params.validate(vocab_size)
+        check_prompt(prompt_token_ids, vocab_size, context)
+        return cls(prompt_token_ids, params)
+
+
+class OutputFollower(Protocol):
+    def push(self, token_id: int) -> str | None:
+        """Take a committed token: why the request must finish after it ("stop": a stop string
+        or its grammar complete; "length": the grammar was cut short to fit), if it must."""
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"
@@ -136,6 +167,10 @@ class Request:
     steps_to_first_token: int | None = None
     # How often each token was generated, kept as tokens come where penalties count them
     output_counts: dict[int, int] | None = field(default=None, init=False, repr=False)
+    # What follows its output outside the scheduler, set by the engine: its text (stop strings)
+    # and its grammar, asked at each committed token whether the request must finish.
+    follower: OutputFollower | None = field(default=None, repr=False)
+    grammar: object | None = field(default=None, repr=False)  # its matcher (model/grammar.py), for the runner
 
     def __post_init__(self) -> None:
         if self.params.penalizes_repeats:

@@ -24,7 +24,7 @@ from tollway.config import EngineConfig, ServerConfig
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.router import RoutingHint
 from tollway.outputs import RequestOutput
-from tollway.request import QueueFullError, SamplingParams
+from tollway.request import QueueFullError, Submission
 from tollway.server.log_level import uvicorn_logging
 
 HEALTH_SECONDS = 20.0  # an engine that takes longer to come round to a call is hung
@@ -72,11 +72,10 @@ class ReplicaEngine(AsyncEngine):
 
     draining = False
 
-    async def add(self, prompt: str | list[int], params: SamplingParams, tier: str = "standard",
-                  request_id: str | None = None) -> _Started:
+    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> _Started:
         if self.draining:
             raise ReplicaDraining(tier)
-        stream = await super().add(prompt, params, tier, request_id)
+        stream = await super().add(submission, tier, request_id)
         try:
             first = await stream.__anext__()
         except EngineDeadError as e:

@@ -40,56 +40,47 @@ _QUOTE, _LETTER = '"', "a"  # a grammar that allows a letter is inside a string
 
 
 @dataclass
-class _State:
+class GrammarState:
+    """One request's grammar: its matcher, as of the tokens committed. It travels with the
+    request (Request.grammar, and each step's ScheduledSeq), so it ends when the request does."""
+
     matcher: llguidance.LLMatcher
     consumed: int = 0  # tokens committed
     cut: bool = False  # a token was replaced to make the reply fit: it ends for length
 
+    def consume(self, token_id: int) -> str | None:
+        """Advance by a committed token. The grammar complete (nothing but the end may follow),
+        the reason to finish: "stop", or "length" where it was cut to fit."""
+        self.matcher.consume_token(token_id)
+        self.consumed += 1
+        if not self.matcher.is_stopped():
+            return None
+        return "length" if self.cut else "stop"
+
 
 class Grammars:
-    """The matchers of the unfinished requests that have a grammar, by request id."""
+    """What every grammar of one model shares: the vocabulary as llguidance reads it, and the
+    tokens a completion closes with."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._ll: llguidance.LLTokenizer | None = None  # built at the first grammar: about a second
         self._closers: list[int] = []
         self._quote = self._letter = -1
-        self._states: dict[str, _State] = {}
 
-    def add(self, request_id: str, grammar: str) -> None:
-        """Start `request_id`'s matcher; InvalidRequest if the grammar cannot run."""
+    def start(self, grammar: str) -> GrammarState:
+        """A request's matcher; InvalidRequest if the grammar cannot run."""
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"the grammar cannot be used: {matcher.get_error()}", "response_format")
-        self._states[request_id] = _State(matcher)
-
-    def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def consume(self, request_id: str, token_id: int) -> str | None:
-        """Advance `request_id`'s matcher by a committed token. Its grammar complete (nothing but
-        the end may follow), the reason to finish: "stop", or "length" where it was cut to fit."""
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        state.matcher.consume_token(token_id)
-        state.consumed += 1
-        if not state.matcher.is_stopped():
-            return None
-        return "length" if state.cut else "stop"
+        return GrammarState(matcher)
 
     def masks(self, seqs: list[ScheduledSeq]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """For each of the sampled `seqs` with a matcher: the tokens it may take (a bool per token of the
+        """For each of the sampled `seqs` with a grammar: the tokens it may take (a bool per token of the
         vocabulary), and the seconds that took."""
         masks, seconds = {}, {}
         for seq in seqs:
-            state = self._states.get(seq.request_id)
+            state = seq.grammar
             if state is None:
                 continue
             start = time.perf_counter()
@@ -107,7 +98,7 @@ class Grammars:
         logprob); the time it takes is added to `seconds`."""
         row = 0
         for seq, tokens in zip(seqs, picked):
-            state = self._states.get(seq.request_id)
+            state = seq.grammar
             left = seq.params.max_tokens - state.consumed if state is not None else None
             if left is not None and left <= CLOSING_ZONE and tokens:
                 start = time.perf_counter()

@@ -33,6 +33,7 @@ class ScheduledSeq(NamedTuple):
     # How often the request generated each token before this step, where its penalties count
     # them: the request's own, not a copy (it changes only when the step that holds it commits).
     output_counts: dict[int, int] | None = None
+    grammar: object | None = None  # the request's (Request.grammar), for the runner's masks
 
     @property
     def drafts(self) -> tuple[int, ...]:

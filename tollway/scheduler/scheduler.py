@@ -16,18 +16,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from tollway.config import SchedulerConfig
-from tollway.request import InvalidRequest, QueueFullError, Request, RequestState, check_prompt_length
+from tollway.request import InvalidRequest, QueueFullError, Request, RequestState
 from tollway.scheduler.blocks import BlockPool
 from tollway.scheduler.plan import Change, ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
-
-# Takes each token a request appends; why the request must finish after it, as decided outside
-# the scheduler (engine.py): a stop string in its text, or its grammar complete ("stop", or
-# "length" where the grammar was cut short to fit).
-StopCheck = Callable[[Request, int], str | None]
 
 
 class Scheduler:
@@ -79,18 +74,19 @@ class Scheduler:
         return self._max_len[tier]
 
     def add(self, request: Request) -> None:
+        """Queue a request checked at the edge (its Submission); refused here only for what the
+        scheduler alone knows: an unknown tier, an id in use, a prompt past its lane's share of
+        the KV pool, a full queue."""
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
         if request.tier not in self.tiers:
             raise ValueError(f"unknown tier {request.tier!r}; tiers are {', '.join(self.tiers)}")
         if rid in self._entries or any(r.request_id == rid for r in self._release_after_suspended):
             raise ValueError(f"request id {rid!r} is already in use")
-        check_prompt_length(num_prompt, self.config.context_limit())
         if num_prompt >= self.max_len(request.tier):
             raise InvalidRequest(
                 f"prompt is {num_prompt} tokens, but the KV cache holds only {self.max_len(request.tier) - 1} "
                 f"for the {request.tier} tier ({self.pool.num_blocks} blocks of {self.pool.block_size})", "prompt")
-        request.params.validate()
         queue = self.waiting[request.tier]
         if len(queue) >= self.tiers[request.tier].max_queue:
             raise QueueFullError(request.tier, self.tiers[request.tier].max_queue)
@@ -213,9 +209,10 @@ class Scheduler:
         predicted = predicted if self.step_model and step.num_seqs else None
         return self._make_plan(step, kernel, preempted, predicted)
 
-    def commit(self, plan: StepPlan, result: StepResult, stop_check: StopCheck | None = None) -> list[Change]:
+    def commit(self, plan: StepPlan, result: StepResult) -> list[Change]:
         """Apply a step's outcome; what changed for each request that got a token (and perhaps
-        finished: every reason to finish is decided here, a stop string or a grammar by `stop_check`)."""
+        finished: every reason to finish is decided here, a stop string or a grammar by the
+        request's follower)."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} committed with the plan of step {plan.step_id}")
         if self._in_flight is None or plan.step_id != self._in_flight_step:
@@ -246,7 +243,7 @@ class Scheduler:
                     request.output_logprobs.append(
                         {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
                     )
-                reason = self._stop_reason(request, token.token_id, stop_check)
+                reason = self._stop_reason(request, token.token_id)
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             if seq.start_pos // bs != request.num_computed_tokens // bs:
@@ -425,7 +422,7 @@ class Scheduler:
         self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
-                            request.params, len(drafts), self._banned(request), request.output_counts)
+                            request.params, len(drafts), self._banned(request), request.output_counts, request.grammar)
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.params
@@ -480,9 +477,9 @@ class Scheduler:
         self.policy.queued(victim)
         preempted.append(rid)
 
-    def _stop_reason(self, request: Request, token_id: int, stop_check: StopCheck | None) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.params
-        outside = stop_check(request, token_id) if stop_check is not None else None
+        outside = request.follower.push(token_id) if request.follower is not None else None
         if outside is not None:  # first: a stop string wins over length, as in OpenAI
             return outside
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):

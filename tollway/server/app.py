@@ -22,14 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tollway.async_engine import AsyncEngine
 from tollway.config import CanaryConfig
 from tollway.meter.meter import Meter
-from tollway.server import completions, errors, status, usage
-from tollway.server.batch_api import batch_router
+from tollway.server import batch_api, completions, errors, status, usage
 from tollway.server.dashboard import dashboard_router
 from tollway.server.fast_first import FastFirst
 from tollway.server.keep_alive import DEFAULT_INTERVAL
 from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
-from tollway.server.service import Service, caller
+from tollway.server.service import Service
 from tollway.server.tracing import Tracing
 from tollway.storage.database import Database
 
@@ -72,7 +71,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
         app.include_router(module.router)
     app.include_router(dashboard_router(svc.stats, svc.gatekeeper, model_name, meter, svc.canary))
     if runner is not None:
-        app.include_router(batch_router(svc.batch_store, runner, caller))
+        app.include_router(batch_api.router)
     return app
 
 

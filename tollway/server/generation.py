@@ -16,7 +16,7 @@ from tollway.server.call_timing import CallTiming
 from tollway.server.errors import APIError
 from tollway.server.service_tier import WIRE_NAME
 from tollway.server.tools import ToolCallReader, ToolCalling
-from tollway.server.validation import Submission, invalid
+from tollway.server.validation import CheckedCall, invalid
 
 
 @dataclass
@@ -73,24 +73,22 @@ class Generation:
         self.timing_asked = False  # the client asked for the timing back (usage.timing)
         self.closing = False  # its end is being settled and reported (Service.withdraw)
 
-    async def start(self, engine: AsyncEngine, submission: Submission) -> None:
+    async def start(self, engine: AsyncEngine, call: CheckedCall) -> None:
         """Submit every choice; if any is refused, withdraw the others and raise."""
-        self.prompts, self.n = submission.prompts, len(submission.params)
-        self.tools = submission.tools
+        self.prompts, self.n = call.prompts, len(call.params)
+        self.tools = call.tools
         try:
-            for p, prompt in enumerate(self.prompts):
-                for i, sp in enumerate(submission.params):
-                    index = p * self.n + i
-                    self.choices.append(Choice(index, prompt))
-                    # Shielded: a caller that leaves meanwhile must not lose the stream of an add
-                    # that lands anyway, or what it ran would go unaborted and unbilled.
-                    self._adding = asyncio.ensure_future(engine.add(prompt, sp, self.tier, self.request_id(index)))
-                    self.streams.append(await asyncio.shield(self._adding))
-                    self._adding = None
+            for index, submission in enumerate(call.submissions):
+                self.choices.append(Choice(index, submission.prompt_token_ids))
+                # Shielded: a caller that leaves meanwhile must not lose the stream of an add
+                # that lands anyway, or what it ran would go unaborted and unbilled.
+                self._adding = asyncio.ensure_future(engine.add(submission, self.tier, self.request_id(index)))
+                self.streams.append(await asyncio.shield(self._adding))
+                self._adding = None
         except QueueFullError as e:
             self.abort()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        except InvalidRequest as e:  # what only the engine knows: the vocabulary, a lane's KV share
+        except InvalidRequest as e:  # what only the scheduler knows: a lane's KV share
             self.abort()
             raise invalid(e, self.kind == "chat") from None
         except EngineDeadError:  # as /health says: nothing more can run here

@@ -27,7 +27,7 @@ from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.responses import final_choice
 from tollway.server.tracing import Tracing
-from tollway.server.validation import Submission, batch_line, validate
+from tollway.server.validation import CheckedCall, batch_line, validate
 from tollway.server.watchdog import Watchdog
 from tollway.storage.database import Database
 
@@ -68,15 +68,16 @@ class Service:
             metrics.watch(engine, self.watchdog)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.batch_store = BatchStore(batch_dir) if batch_dir is not None else None
         self.batch_runner = BatchRunner(self.batch_store, self.complete_in_batch_lane) \
             if self.batch_store is not None else None
         self._settling: set[asyncio.Task] = set()  # ended calls' ledger rows and timings, being written
 
-    def validate(self, req, tags_header: str | None = None) -> Submission:
-        return validate(req, self.model_name, self.tokenizer, self.max_model_len, tags_header)
+    def validate(self, req, tags_header: str | None = None) -> CheckedCall:
+        return validate(req, self.model_name, self.tokenizer, self.vocab_size, self.max_model_len, tags_header)
 
-    async def start(self, sub: Submission, tier: str, key: KeySpec | None, call: str | None,
+    async def start(self, sub: CheckedCall, tier: str, key: KeySpec | None, call: str | None,
                     owner: str | None = None, canary_eligible: bool = False,
                     timing: CallTiming | None = None) -> tuple[Generation, dict[str, str]]:
         """Hold the call's budget and the key's limits, and submit its choices. `call`: the id a

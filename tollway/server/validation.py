@@ -1,12 +1,11 @@
 """The one check of an API call: a completions or chat body becomes what the engine runs for it
-(a Submission: prompt ids and SamplingParams per choice), or an APIError that names the OpenAI
+(a CheckedCall: a Submission per prompt and choice), or an APIError that names the OpenAI
 parameter at fault.
 
-The rules themselves are the engine's (SamplingParams.validate, check_prompt_length in
-request.py), so a request refused here is refused for the same reason and in the same words as
-one added from Python; the layers below trust what passes, and only re-run those cheap checks
-for their direct callers. What only the engine can know (token ids past the vocabulary, a prompt
-past a lane's KV share) comes back from the add as InvalidRequest, named the same way
+The rules themselves are the engine's (SamplingParams.validate, check_prompt in request.py), so
+a request refused here is refused for the same reason and in the same words as one added from
+Python, and the layers below take what passes on trust. What only the scheduler can know (a
+prompt past a lane's KV share, a full queue) comes back from the add, named the same way
 (generation.py)."""
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
-from tollway.request import InvalidRequest, SamplingParams, check_prompt_length
+from tollway.request import InvalidRequest, SamplingParams, Submission, check_prompt
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tollway.server.structured_output import response_grammar
@@ -26,7 +25,7 @@ KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
 @dataclass(frozen=True)
-class Submission:
+class CheckedCall:
     """An API call checked against the model: every prompt times every choice's params."""
 
     kind: str  # "completion" | "chat"
@@ -41,6 +40,12 @@ class Submission:
         return len(self.prompts) * len(self.params)
 
     @property
+    def submissions(self) -> list[Submission]:
+        """The engine requests, prompt by prompt, each prompt's choices in order: parts checked
+        here already, so put together without checking again."""
+        return [Submission(prompt, params) for prompt in self.prompts for params in self.params]
+
+    @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
@@ -50,7 +55,7 @@ class Submission:
 
 
 def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, tokenizer: Tokenizer,
-             max_model_len: int, tags_header: str | None = None) -> Submission:
+             vocab_size: int, max_model_len: int, tags_header: str | None = None) -> CheckedCall:
     """`req` as the engine's inputs; raises APIError naming the parameter at fault."""
     chat = isinstance(req, ChatCompletionRequest)
     tags = request_tags(req, tags_header)
@@ -60,7 +65,8 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     prompts = token_prompts(req, tokenizer)
     longest = max(len(p) for p in prompts)
     try:
-        check_prompt_length(longest, max_model_len)
+        for prompt in prompts:
+            check_prompt(prompt, vocab_size, max_model_len)
     except InvalidRequest as e:
         raise invalid(e, chat) from None
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
@@ -72,8 +78,8 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     calling, grammar = tool_calling(req, tokenizer.renders_tools) if chat else (None, None)
     if chat and grammar is None:
         grammar = response_grammar(req.response_format)
-    params = [sampling_params(req, max_tokens, logprobs, i, grammar) for i in range(req.n)]
-    return Submission("chat" if chat else "completion", prompts, params, tags, not chat and req.echo, calling)
+    params = [sampling_params(req, max_tokens, logprobs, i, vocab_size, grammar) for i in range(req.n)]
+    return CheckedCall("chat" if chat else "completion", prompts, params, tags, not chat and req.echo, calling)
 
 
 def invalid(e: InvalidRequest, chat: bool) -> APIError:
@@ -111,7 +117,7 @@ def request_tags(req: SamplingFields, header: str | None) -> list[str]:
     return tags
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int,
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int, vocab_size: int,
                     grammar: str | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
@@ -123,7 +129,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         presence_penalty=req.presence_penalty or 0.0, logit_bias=token_biases(req.logit_bias), grammar=grammar,
     )
     try:
-        params.validate()
+        params.validate(vocab_size)
     except InvalidRequest as e:
         raise invalid(e, False) from None
     return params
