@@ -142,3 +142,40 @@ def test_the_layer_check_finds_imports_inside_functions_and_private_names(tmp_pa
     assert _layer_breaches(package) == [
         "late.py:2 imports tollway.model.runner (tollway.scheduler must not import tollway.model)",
         "peek.py:1 imports _finished from tollway.traffic.plots: private there"]
+
+
+def _private_reach(path) -> list[str]:
+    """Each `x._name` in the file where x is not self, cls or super(): another object's private
+    state (namedtuple's public _replace aside)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and node.attr != "_replace":
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_policies_the_simulator_and_the_server_reach_no_private_state():
+    """Policies ask the scheduler through its view (scheduler_view.py); the simulator and the
+    server use the engine's and the scheduler's public surface."""
+    from pathlib import Path
+
+    import tollway
+
+    root = Path(tollway.__file__).parent
+    files = [root / "scheduler" / "policies.py", *sorted((root / "sim").glob("*.py")),
+             *sorted((root / "server").glob("*.py"))]
+    assert [hit for path in files for hit in _private_reach(path)] == []
+
+
+def test_the_private_reach_check_finds_it(tmp_path):
+    path = tmp_path / "policy.py"
+    path.write_text("def f(s):\n    return s._entries, self._mine, super()._hook(), row._replace(a=1)\n")
+    assert _private_reach(path) == ["policy.py:2 s._entries"]

@@ -9,7 +9,8 @@
 
 The questions: what a step considers, in what order (`phases`); whom a request may preempt
 (`victims`); what time the step must meet (`time_target`); and a running request's place in
-its phase (`turn`). A policy belongs to one scheduler and reads its state.
+its phase (`turn`). A policy belongs to one scheduler and reads its state through the view
+scheduler_view.py describes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 
 from tollway.request import Request
 from tollway.scheduler.deadlines import Deadlines
+from tollway.scheduler.scheduler_view import SchedulerView
 from tollway.scheduler.step_budget import TimeTarget
 from tollway.scheduler.step_model import StepShape
 
@@ -26,7 +28,7 @@ class Policy:
     name = ""
     coasts = True  # plain decodes may coast in the simulator (sim/coasting.py)
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler: SchedulerView):
         self.s = scheduler
 
     def phases(self, now: float) -> Iterable[tuple[str, list[Request], str | None]]:
@@ -85,12 +87,11 @@ class Fcfs(Policy):
 
     def phases(self, now):
         s = self.s
-        yield "run", sorted(s._stepping.values(), key=s._turn_of), "all"
-        yield "admit", sorted((r for q in s.waiting.values() for r in q), key=lambda r: s._entries[r.request_id].arrival), None
+        yield "run", sorted(s.stepping(), key=s.turn_of), "all"
+        yield "admit", sorted((r for q in s.waiting.values() for r in q), key=s.arrival), None
 
     def victims(self, request, others):
-        entries = self.s._entries
-        return sorted(others, key=lambda r: -entries[r.request_id].admitted)
+        return sorted(others, key=lambda r: -self.s.admitted(r))
 
 
 class Priority(Policy):
@@ -101,16 +102,13 @@ class Priority(Policy):
 
     def phases(self, now):
         s, rank = self.s, self._rank()
-        entries = s._entries
-        yield "run", sorted(s.running.values(), key=lambda r: (rank[r.tier], entries[r.request_id].admitted)), None
-        yield "admit", sorted((r for q in s.waiting.values() for r in q),
-                              key=lambda r: (rank[r.tier], entries[r.request_id].arrival)), None
+        yield "run", sorted(s.running.values(), key=lambda r: (rank[r.tier], s.admitted(r))), None
+        yield "admit", sorted((r for q in s.waiting.values() for r in q), key=lambda r: (rank[r.tier], s.arrival(r))), None
 
     def victims(self, request, others):
-        rank, entries = self._rank(), self.s._entries
+        rank, s = self._rank(), self.s
         mine = rank[request.tier]
-        return sorted((r for r in others if rank[r.tier] >= mine),
-                      key=lambda r: (-rank[r.tier], -entries[r.request_id].admitted))
+        return sorted((r for r in others if rank[r.tier] >= mine), key=lambda r: (-rank[r.tier], -s.admitted(r)))
 
 
 class Lanes(Policy):
@@ -121,16 +119,18 @@ class Lanes(Policy):
         self._deadlines = Deadlines()  # waiting batch requests not yet due
         self._late: dict[str, Request] = {}  # waiting batch requests that are due: they go as standard
         self._fast_seen: float | None = None  # when fast work was last waiting or running
+        self._decode_shape: StepShape | None = None  # the running requests' decode step, in this plan
 
     def phases(self, now):
         s = self.s
+        self._decode_shape = None  # built again when it caps admission (may_admit_decode)
 
         def by_turn(requests):  # skipped requests go first next time, so a capped step rotates fairly
-            return sorted(requests, key=s._turn_of)
+            return sorted(requests, key=s.turn_of)
 
-        running = list(s._stepping.values())
+        running = list(s.stepping())
         for rid in self._deadlines.pop_due(now):
-            self._late[rid] = s._entries[rid].request
+            self._late[rid] = s.get(rid)
         urgent = {r.request_id for r in running if self.is_due(r, now)}
         # No step admits more than max_num_seqs: look no further into a queue than that (an
         # overloaded server's queues are long, and this runs every step).
@@ -147,10 +147,10 @@ class Lanes(Policy):
 
     def victims(self, request, others):
         """Batch before standard; the newest, least-progressed first. Fast is never a victim."""
-        rank, entries, tiers = self._rank(), self.s._entries, self.s.tiers
+        rank, s = self._rank(), self.s
         mine = rank[request.tier]
-        return sorted((r for r in others if tiers[r.tier].preemptible and rank[r.tier] >= mine),
-                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -entries[r.request_id].admitted))
+        return sorted((r for r in others if s.tiers[r.tier].preemptible and rank[r.tier] >= mine),
+                      key=lambda r: (-rank[r.tier], len(r.output_token_ids), -s.admitted(r)))
 
     def time_target(self, now):
         """The fast target while fast work is about, planned at the p98 overrun so that 95% of
@@ -195,17 +195,14 @@ class Lanes(Policy):
         slo = s.tiers["standard"].tpot_target
         if s.step_model is None or slo is None or request.tier == "fast":
             return True
-        if s._decode_shape is None:  # built once per plan, then grown with each admission
-            s._decode_shape = StepShape("")
-            for r in s._stepping.values():
-                s._decode_shape = s._decode_shape.plus(r.num_tokens, 1, 1)
-            s._decode_shape = s._grouped_decodes(s._decode_shape)
-        shape = s._decode_shape.plus(request.num_tokens, 1, 1)
+        if self._decode_shape is None:  # built once per plan, then grown with each admission
+            self._decode_shape = s.decode_shape()
+        shape = self._decode_shape.plus(request.num_tokens, 1, 1)
         if s.fastest(shape)[1] > slo:
             return False
         # Counted from here on even if its admission then fails, and preempted requests stay
         # counted until the next plan: both only err on the safe side.
-        s._decode_shape = shape
+        self._decode_shape = shape
         return True
 
     def queued(self, request):

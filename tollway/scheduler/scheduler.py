@@ -65,7 +65,6 @@ class Scheduler:
         # that finished meanwhile: their blocks are freed once its step has ended writing them.
         self._suspended: tuple[int, dict[str, Request]] | None = None
         self._release_after_suspended: list[Request] = []
-        self._decode_shape: StepShape | None = None  # the running requests' decode step (lanes)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -167,6 +166,34 @@ class Scheduler:
     def running_in(self, tier: str) -> int:
         return self._num_running[tier]
 
+    # ---- what a policy reads (scheduler_view.py) ----------------------------------------------
+
+    def stepping(self) -> Iterable[Request]:
+        """The running requests planned one by one: all of them here (the simulator's scheduler
+        carries some as groups)."""
+        return self._stepping.values()
+
+    def arrival(self, request: Request) -> int:
+        """An unfinished request's place in the order requests came in."""
+        return self._entries[request.request_id].arrival
+
+    def admitted(self, request: Request) -> int:
+        """A running request's place in admission order, newest largest (again after a preemption)."""
+        return self._entries[request.request_id].admitted
+
+    def turn_of(self, request: Request) -> tuple[int, ...]:
+        """A running request's place in its run phase: lanes runs the longest-skipped first,
+        then by admission; fcfs by admission."""
+        entry = self._entries[request.request_id]
+        return self._turn(entry.last_step, entry.admitted)
+
+    def decode_shape(self) -> StepShape:
+        """The step of one decode for every running request."""
+        shape = StepShape("")
+        for r in self._stepping.values():
+            shape = shape.plus(r.num_tokens, 1, 1)
+        return self._grouped_decodes(shape)
+
     # ---- the step -----------------------------------------------------------------------
 
     def suspend(self) -> None:
@@ -189,7 +216,6 @@ class Scheduler:
         self._step_id += 1
         self._in_flight = {}
         self._in_flight_step = self._step_id
-        self._decode_shape = None  # built again by the policy when it caps admission (Lanes.may_admit_decode)
         now = self.clock()
         self._begin_plan(now)
         step = StepBudget(self, self.policy.time_target(now), self._fast_decoding())
@@ -296,12 +322,6 @@ class Scheduler:
 
     def _turn(self, last_step: int, admitted: int) -> tuple[int, ...]:
         return self.policy.turn(last_step, admitted)
-
-    def _turn_of(self, request: Request) -> tuple[int, ...]:
-        """A running request's place in its run phase: lanes runs the longest-skipped first,
-        then by admission; fcfs by admission."""
-        entry = self._entries[request.request_id]
-        return self._turn(entry.last_step, entry.admitted)
 
     # ---- capacity -----------------------------------------------------------------------
 

@@ -195,19 +195,19 @@ class CoastingScheduler(Scheduler):
             yield from requests
             return
         if group in self._woken:  # woken earlier in this step (to be preempted, or not)
-            requests = sorted(requests + self._woken.pop(group), key=self._turn_of)
+            requests = sorted(requests + self._woken.pop(group), key=self.turn_of)
         if coasters.count:
             last = self._step_id - 1  # every coaster ran in the last step
             lo, hi = self._turn(last, coasters.min_admitted), self._turn(last, coasters.max_admitted)
-            before = [r for r in requests if self._turn_of(r) < lo]
-            after = [r for r in requests if self._turn_of(r) > hi]
+            before = [r for r in requests if self.turn_of(r) < lo]
+            after = [r for r in requests if self.turn_of(r) > hi]
             if len(before) + len(after) == len(requests):  # no stepping request's turn falls among the group's
                 yield from before
                 if coasters.count and self._take_coasting(group, coasters, step):
                     yield from after
                     return
                 requests = after
-            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self._turn_of)
+            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self.turn_of)
         yield from requests
 
     def _take_coasting(self, name: str, coasters, step: StepBudget) -> bool:
