@@ -54,14 +54,13 @@ class TierSpec:
 
 
 def default_tiers() -> dict[str, TierSpec]:
-    """Targets sized for Gemma 3 270M on a 2-core CPU with the native q8 engine: a lone decode
-    step takes ~11 ms and a 64-sequence step ~80 ms, so fast at 20 ms a step (and its
-    speculative drafts) is several times standard's per-user speed; lanes.py's sweep found
-    20 ms as cheap for the other lanes as 30. A lone fast prompt's TTFT
-    is ~40 ms; a 60 ms target keeps steps within 30 ms for a minute after fast traffic (a
-    newcomer waits out the step in flight) and leaves no time to cut a prompt in chunks that
-    each pay a step's fixed cost, so under load a fast TTFT stays within 2x the idle one. Prices follow the hosted APIs: priority ~2x (here
-    3x), batch -50%."""
+    """Targets sized for Gemma 3 270M on a 2-core CPU with the native q8 engine (the figures
+    behind them: benchmarks/README.md, lanes.py and fast_lane.py): fast's step target is a few
+    lone decode steps, so fast (with its speculative drafts) runs several times standard's
+    per-user speed, and lanes.py's sweep found it as cheap for the other lanes as a looser one.
+    Fast's TTFT target is about twice a lone fast prompt's: half of it bounds what a newcomer
+    waits for the step in flight, and it leaves no time to cut a prompt in chunks that each pay
+    a step's fixed cost. Prices follow the hosted APIs: priority ~2x (here 3x), batch -50%."""
     return {
         "fast": TierSpec("fast", 0, tpot_target=0.02, ttft_target=0.06, warm_for=60.0, reserved_kv_share=0.1,
                          reserved_seq_share=0.125, preemptible=False, max_queue=64,
@@ -93,7 +92,7 @@ class SchedulerConfig:
     # With kernel="auto": steps of at most this many tokens use int8 weight-only matmuls,
     # larger steps use `dense_kernel`. None: measured on this machine at the first start, then cached.
     # Beside dense_kernel q8, None means 0: q8 reads the weights once per step whatever its
-    # size, and was 3-6x faster than int8 from 1 to 64 rows (native/qmatmul.py).
+    # size, and beat int8 at every step size measured (native/qmatmul.py).
     int8_max_tokens: int | None = None
     dense_kernel: str = "q8"
     # lanes: tiers with reservations and step shaping; priority: vLLM's priority scheduling

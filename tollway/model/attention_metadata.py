@@ -13,8 +13,8 @@ _CPU = torch.device("cpu")  # the native path's block tables stay in host memory
 
 def long_tensor(values: list, device: torch.device) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.long, device=device), through numpy on the CPU: a decode
-    step builds five of these, and torch.tensor took 2.5 us more each warm, ~0.07 ms a b1 step
-    in all with the caches cold after the LM head (A/B in one process, Zen 3)."""
+    step builds five of these, and torch.tensor's per-call overhead shows in a one-sequence
+    step."""
     if device.type != "cpu":
         return torch.tensor(values, dtype=torch.long, device=device)
     return torch.from_numpy(np.array(values, dtype=np.int64))

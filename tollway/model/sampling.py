@@ -71,8 +71,8 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
     `draw`: the native draw for sampled rows without drafts (else torch's); `masks`: by request
     id, the tokens its grammar allows (grammar.py)."""
     adjust_logits(logits, seqs, masks)
-    # argmax over every row costs less than copying out the greedy ones (47 MB at 45 rows), but
-    # nothing at all where no row is greedy (14 ms at 64 rows of 262k).
+    # argmax over every row costs less than copying out the greedy ones (rows of a whole
+    # vocabulary each), and is skipped where no row is greedy.
     argmax = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else []
     drawn = _draw_plain(logits, seqs, generator, draw) if draw is not None else {}
     out = []
@@ -198,7 +198,8 @@ def _probs(row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
 def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     """Drop a token once the mass of the tokens before it (most likely first) reaches top_p; the
     top token always stays. The kept tokens are a prefix of the descending order, found with
-    top-k over ever more tokens rather than a sort of the whole vocabulary (48 ms at 262k)."""
+    top-k over ever more tokens rather than a sort of the whole vocabulary, which a large
+    vocabulary makes the slowest part of a sampled row."""
     probs = torch.softmax(scaled, dim=-1)
     k = min(_TOP_P_FIRST, probs.numel())
     while True:
@@ -224,7 +225,7 @@ def _generator(seq: ScheduledSeq, position: int, generator: torch.Generator) -> 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """A draw from probs (unnormalised is fine) by inverting their running sum at one uniform:
-    an exponential per token cost 5 ms at 262k tokens, this 0.3."""
+    one random number, where the exponential race draws one per token of the vocabulary."""
     cdf = torch.cumsum(probs, dim=-1)
     u = _uniform(generator, probs.device) * float(cdf[-1])
     index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))

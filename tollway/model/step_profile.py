@@ -20,8 +20,8 @@ from tollway.scheduler.step_model import StepShape
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 # Sequences with blocks of their own in a profile step: each layer's keys and values of 8 of them
-# are megabytes, as of 32 (which timed the same steps alike), and a VM faults their pages in at
-# a few hundred MB/s before the profile can start (32 took 1.2 s of a 1B model's first start).
+# are megabytes, as of 32 (which timed the same steps alike), and every page of them is faulted
+# in before the profile can start, on a model's first start.
 DISTINCT_SEQS = 8
 
 

@@ -5,7 +5,7 @@ the tokenizer.json for every kind it knows; the two kinds users run most are bui
 `tokenizers` alone, to the same file (tests compare the two): Gemma's SentencePiece vocabulary
 (262144 tokens in every Gemma), where the converter's general merge recovery sorts every token's
 candidate merges, and byte-level BPE with a pre-tokenizer it knows (Llama 3's, Qwen's). Importing
-transformers alone took 2 s of such a model's first start.
+transformers alone was most of such a model's first start.
 
 A server reads Gemma's natively instead (model/sentencepiece_bpe.py); these files serve the rest, and
 the clients that tokenize without a model (tollway bench).
@@ -111,7 +111,7 @@ def byte_level_bpe(tokens: list[str], kinds: list[int], merges: list[str], split
     """The tokenizer transformers' converter builds for a byte-level BPE file (Llama 3's, Qwen's),
     to the same tokenizer.json, from its tokens, their types, its merges and the pre-tokenizer's
     split pattern (_SPLITS): the converter's GPT-2 class without the import of transformers, which
-    took most of such a model's first start (2 s of 3)."""
+    took most of such a model's first start."""
     alphabet = _byte_alphabet()
     spelled = set(alphabet)
     vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode()): i for i, t in enumerate(tokens)}
