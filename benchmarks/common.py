@@ -187,7 +187,6 @@ def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, f
     for option, keywords in (options or {}).items():
         parser.add_argument(f"--{option}", dest=option, **keywords)
     args = parser.parse_args()
-    benchmarks = Path(__file__).resolve().parent
     settings = {**(quick if args.quick else full), **{option: getattr(args, option) for option in options or {}}}
     name += name_suffix(settings) if name_suffix else ""
     if per_cpu_kind:

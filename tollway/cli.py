@@ -12,7 +12,7 @@ from platformdirs import user_data_dir
 
 from tollway import profile_command
 from tollway.bench import cli as bench_cli
-from tollway.config import TIERS, KeySpec, ServerConfig, load_server_config
+from tollway.config import TIERS, EngineConfig, KeySpec, ServerConfig, load_server_config
 from tollway.engine_arguments import add_engine_arguments, engine_config
 from tollway.meter.ledger import GROUPS
 from tollway.request import SamplingParams

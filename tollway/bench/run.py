@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tollway.bench.client import OpenAIClient, now_clock
 from tollway.bench.load import run_stage
 from tollway.bench.server_metrics import StepScraper
 from tollway.traffic.console import LiveView
 from tollway.traffic.patterns import Limits, LoadPattern, Stage, sweep_rates
+from tollway.traffic.results import FORMAT, stage_dict
 from tollway.traffic.stats import SLO, summarize
 from tollway.traffic.workload import Requests, Workload
 
