@@ -15,6 +15,31 @@ from tollway.model.weights import LoadedModel, load_weights
 from postgres_server import postgres, store_target  # noqa: F401 -- fixtures: one server for the session
 
 
+# What makes a test slow to start: a model loaded, models built, native code compiled, a
+# database server, a Ray cluster. A test that needs none of them is `quick` (pytest -m quick, for the edit-test
+# loop), unless it is marked `slow` (it starts processes or servers of its own).
+HEAVY_FIXTURES = {"default_weights", "tiny_hf_models", "tiny_gguf", "native_cache", "postgres", "store_target", "fleet"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: needs no model, compiler or database (selected automatically)")
+    config.addinivalue_line("markers", "slow: starts processes or servers of its own: never quick")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not HEAVY_FIXTURES & set(item.fixturenames) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The test process's peak memory, printed after every run: the suite must fit in 8 GB."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    terminalreporter.write_line(f"peak resident memory of the test process: {peak / 2**30:.2f} GiB")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def free_what_the_module_built():
     """After each module, give back the engines it built: the suite must fit in 8 GB. Three things

@@ -199,6 +199,7 @@ def test_batch_lines_wait_for_room_in_their_keys_rate_limit(keyed):
     assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 2
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tmp_path):
     """SIGKILL while a batch runs, restart on the same data directory: every input line has
     exactly one output line."""

@@ -35,6 +35,7 @@ def test_a_run_forced_to_a_lower_path_keeps_a_record_of_its_own(monkeypatch):
                 common.forced_isa()
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_run_forced_to_avx2_runs_torch_as_an_avx2_cpu_would(monkeypatch):
     """transformers and the torch floors are what a forced run stands against: on an AVX-512 CPU
     they must not keep AVX-512 (nor its bf16) while tollway's kernels are held to AVX2."""

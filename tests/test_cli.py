@@ -11,6 +11,7 @@ def _tollway(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tollway", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a process of its own
 def test_generate_streams_greedy_text(default_weights, make_engine, run_to_completion):
     from tollway.request import SamplingParams
 
@@ -27,6 +28,7 @@ def test_generate_streams_greedy_text(default_weights, make_engine, run_to_compl
     (["--top-p", "2"], "top_p"),
     (["--max-model-len", "8"], "context"),
 ])
+@pytest.mark.slow  # a process of its own
 def test_bad_input_gets_one_line(tmp_path, args, message):
     result = _tollway("generate", "hello " * 20, *args)
     assert result.returncode == 2
@@ -46,6 +48,7 @@ def test_bad_config_file_is_one_line(tmp_path, toml, message):
     _assert_one_error_line(result.stderr, message)
 
 
+@pytest.mark.slow  # a process of its own
 def test_unsupported_architecture_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     result = _tollway("generate", "hi", "--model", str(tmp_path))
@@ -61,6 +64,7 @@ def _assert_one_error_line(stderr: str, message: str) -> None:
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow  # a process of its own
 def test_serve_warns_when_public_without_keys(tmp_path):
     """Bound to every interface with no API key: a warning; the server still comes up."""
     port = _free_port()
@@ -137,6 +141,7 @@ def test_bad_serve_flag_is_one_line(tmp_path, args, message):
     _assert_one_error_line(result.stderr, message)
 
 
+@pytest.mark.slow  # a process of its own
 def test_serve_like_vllm(tmp_path):
     """One real start: the model given by position, its name served as --served-model-name, the key from
     $TOLLWAY_API_KEY, a KV pool sized from --kv-cache-memory (which, with no --max-model-len, bounds

@@ -197,7 +197,8 @@ def test_an_add_cancelled_while_queued_or_landing_leaves_nothing_behind(server):
     async def cancelled_adds() -> None:
         for delay in (0.0, 0.3, 0.6):
             engine.run(lambda _: time.sleep(0.5))  # the engine thread is busy: adds queue behind it
-            task = asyncio.ensure_future(engine.add(engine.check([5, 6, 7], SamplingParams(max_tokens=64, ignore_eos=True))))
+            submission = engine.check([5, 6, 7], SamplingParams(max_tokens=64, ignore_eos=True))
+            task = asyncio.ensure_future(engine.add(submission))
             await asyncio.sleep(delay)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -217,7 +218,7 @@ def test_an_abort_ends_the_stream_with_a_final_output_and_frees_at_once(server):
     "abort") and the freed blocks must come from the abort itself."""
     engine = server["engine"]
     ended = []
-    engine.observe(lambda _, plan, result, outputs: ended.extend(o for o in outputs if plan is None))
+    engine.observe(lambda report: ended.extend(report.outputs if report.plan is None else ()))
 
     async def abort_after_first_token():
         stream = await engine.add(engine.check([5, 6, 7, 8], SamplingParams(max_tokens=500, ignore_eos=True)))

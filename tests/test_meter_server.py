@@ -208,6 +208,7 @@ def test_a_fleet_call_retried_on_another_replica_is_billed_once(make_engine, tmp
     assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3
 
 
+@pytest.mark.slow  # a process of its own
 def test_sigkill_under_load_loses_no_completed_row(tmp_path):
     """Every response that completed before the kill has its row in the ledger afterwards."""
     port = free_port()

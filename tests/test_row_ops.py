@@ -86,6 +86,7 @@ def test_a_row_alone_equals_the_same_row_in_a_batch(native):
     assert torch.equal(native.gated(gate_up, 32, "gelu_tanh")[4:5], native.gated(gate_up[4:5], 32, "gelu_tanh"))
 
 
+@pytest.mark.slow  # a process of its own
 def test_the_build_is_reused_and_a_broken_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
     first = row_ops_library(tmp_path)
     assert first is not None and first.is_file()

@@ -522,6 +522,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, prefix, tail, max_tokens, ignore_eos, tier):
         r = req(f"r{len(self.added)}", list(prefix) + tail, max_tokens=max_tokens, ignore_eos=ignore_eos, tier=tier)
         try:
+            Submission.check(r.prompt_token_ids, r.params, 100, self.sched.config.context_limit())  # the edge's
             self.sched.add(r)
         except ValueError:
             assert r.num_tokens == 0 or r.num_tokens >= self.sched.max_len(r.tier)

@@ -168,13 +168,13 @@ def default_keys_db() -> Path:
 
 
 def _generate(args) -> int:
-    from tollway.engine import Engine
-
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
     params.validate()
     config = engine_config(args)
     config.profile_steps = False  # one request: nothing to shape
+    from tollway.engine import Engine  # after the flags are checked: torch takes seconds to import
+
     engine = Engine(config)
     prompt = args.prompt
     if args.chat:  # the template writes BOS itself
@@ -191,16 +191,6 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    import ipaddress
-
-    import uvicorn
-
-    from tollway.async_engine import AsyncEngine
-    from tollway.engine import Engine
-    from tollway.server.app import create_app
-    from tollway.server.metrics import Metrics
-    from tollway.server.tracing import tracing_for
-
     server = load_server_config(args.config) if args.config else ServerConfig()
     for value, name in ((args.host, "host"), (args.port, "port"), (args.served_model_name, "served_model_name"),
                         (args.keys_db, "keys_db"), (args.data_dir, "data_dir"), (args.database_url, "database_url"),
@@ -223,6 +213,17 @@ def _serve(args) -> int:
 
         return serve_fleet(ReplicaSpec(name, config, server, server_parts, log_level=args.log_level), args.replicas,
                            args.ray_address, server.host, server.port)
+    # Only now: torch and the server take seconds to import, and a bad flag is a one-line error at once.
+    import ipaddress
+
+    import uvicorn
+
+    from tollway.async_engine import AsyncEngine
+    from tollway.engine import Engine
+    from tollway.server.app import create_app
+    from tollway.server.metrics import Metrics
+    from tollway.server.tracing import tracing_for
+
     gatekeeper, meter, batch_dir = server_parts(server, config)
     tracing = tracing_for(server.otlp_traces_endpoint, name)  # before the engine: a missing extra fails fast
     metrics = Metrics(name)

@@ -264,9 +264,9 @@ class Engine:
                 return report
             pause.deadline = None
         result = self.runner.resume()
-        if result is None:
+        if result is None:  # another slice of the paused step; it was counted when it first stopped
             self._fast_turn = True
-            return self._report(None, None, [], paused=True)
+            return self._report(None, None, [])
         pause.deadline = None
         self.scheduler.resume()
         plan, self._paused_plan = self._paused_plan, None

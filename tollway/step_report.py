@@ -18,7 +18,7 @@ class StepReport:
     occupancy: Occupancy  # what the scheduler holds after it
     preempted_tiers: tuple[str, ...] = ()  # the lane of each request the step preempted
     step_model: StepTimeModel | None = None  # the model the step was planned with (it learns from each step)
-    paused: bool = False  # a step stopped between layers for a fast arrival, to run on later
+    paused: bool = False  # a step stopped between layers for a fast arrival (it runs on in slices)
 
     @property
     def ran(self) -> bool:
