@@ -64,7 +64,7 @@ def cost_against_tpot(advice: Advice) -> str | None:
         if "tpot" in c.traffic.slo:
             ax.axvline(c.traffic.slo["tpot"] * 1e3, color="#888", linestyle=":", linewidth=1)
     return finished_figure(fig, ax, drawn, "TPOT p99 (ms); dotted: each class's TPOT SLO", "$ per 1M output tokens",
-                     "Each class in each lane", loc="best")
+                           "Each class in each lane", loc="best")
 
 
 def render(advice: Advice) -> str:

@@ -93,7 +93,7 @@ def pareto(runs: list[dict]) -> str | None:
                 ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
             drawn = True
     return finished_figure(fig, ax, drawn, "tokens/s per user (1 / TPOT)", "total output tokens/s",
-                     "Throughput against speed per user, by stage")
+                           "Throughput against speed per user, by stage")
 
 
 def cost_curve(runs: list[dict]) -> str | None:
@@ -113,7 +113,7 @@ def cost_curve(runs: list[dict]) -> str | None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
     return finished_figure(fig, ax, drawn, "requests in flight (mean)", "$ per 1M output tokens",
-                     "Cost per 1M output tokens against concurrency")
+                           "Cost per 1M output tokens against concurrency")
 
 
 def step_sizes(runs: list[dict]) -> str | None:
@@ -132,7 +132,7 @@ def step_sizes(runs: list[dict]) -> str | None:
                         transform=ax.get_xaxis_transform())
             drawn = True
     return finished_figure(fig, ax, drawn, "seconds since the bench started", "sequences per step (mean)",
-                     "The server's step size over time (from /metrics)", loc="upper right")
+                           "The server's step size over time (from /metrics)", loc="upper right")
 
 
 PLOTS = (("latency", "Latency distributions", latency_cdfs),
