@@ -3,7 +3,9 @@
    At batch 1 each of these is a few hundred floats, and torch spends more time dispatching
    its five-odd ops per norm than computing them. One call here does the whole operation.
    Every output row depends only on its own input row and is computed in a fixed order, so a
-   row's bits never depend on what else shares the step. */
+   row's bits never depend on what else shares the step.
+
+   R1..R11 in comments name the measurements behind a choice: benchmarks/README.md, kernel notes. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -18,7 +20,7 @@
 
 /* 1 / rms(x) over n floats, accumulated in double: a fixed order, and exact enough that the
    order does not matter to the float result in practice. Eight running sums (lane i % 8), so
-   the adds do not wait on one another: one chain of n dependent adds cost 8% of a prefill. */
+   the adds do not wait on one another: one chain of n dependent adds showed in a prefill (R1). */
 static float inv_rms(const float *x, int64_t n, float eps) {
     double lanes[8] = {0};
     int64_t i = 0;
@@ -97,8 +99,8 @@ void qk_norm_rope(const float *qkv, int64_t stride, int64_t rows, int64_t heads,
    kind 0: GELU, tanh form, written as x * sigmoid(2u) (the same function: 1 + tanh u = 2 sigmoid 2u).
    kind 1: SiLU, x * sigmoid(x).
    The denominators go through a buffer, in a loop of their own: with exp and the division in one
-   loop, gcc vectorized exp's clamps as a second, masked division, and the whole ran 2x slower
-   (the same bits either way). */
+   loop, gcc vectorized exp's clamps as a second, masked division, and the whole ran slower
+   (the same bits either way; R2). */
 enum { ACT_CHUNK = 256 };
 void gated_act(const float *gate_up, int64_t rows, int64_t width, int32_t kind, float *out) {
     float den[ACT_CHUNK];
@@ -127,9 +129,8 @@ typedef float v8 __attribute__((vector_size(32)));
 enum { TILE = 4 };       /* query vectors sharing each key and value load */
 /* Keys fetched this many positions ahead of use, into L1 (AHEAD) and into L2 (FAR; values
    too, for the value pass, which fetches VALUE_KEYS ahead itself): a sequence's keys are
-   scattered over the cache's blocks, so the hardware prefetcher alone stalls on every block.
-   Measured on 64 decodes at context 192: AHEAD alone 1.8x faster than no prefetch (2 to 8 all
-   about as well), FAR 8 another 1.25x (16 alike, 32 worse). */
+   scattered over the cache's blocks, so the hardware prefetcher alone stalls on every block
+   (the distances: R3). */
 enum { AHEAD = 4, FAR = 8 };
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
@@ -183,9 +184,8 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
 
 /* Values summed per pass: VALUE_COLS columns of each of the tile's vectors, kept in registers,
    over VALUE_KEYS keys. QK_KEYS: keys whose scores are summed together, each with the tile's
-   query vectors. Both as wide as the registers allow (AVX-512 has 32 of them). With 16 keys a
-   value group where there had been 4, these took attention 0.80-0.90x the time (64 decodes at
-   context 192, a 512-token prefill, 1024 tokens over a 512 window; the same bits). */
+   query vectors. Both as wide as the registers allow (AVX-512 has 32 of them): wider took
+   attention less time, decode and prefill alike, with the same bits (R4). */
 #if defined(__AVX512F__)
 enum { VALUE_COLS = 32 };
 #define QK_KEYS 4
@@ -241,8 +241,7 @@ static inline __attribute__((always_inline)) void value_pass(
 /* The next sequence's keys and values, fetched into L2 while this one's last tile runs, a few
    lines at a time: the prefetches above work within a sequence, so each sequence started on a
    miss, and its value pass, reading L2, left memory idle. At most LOOKAHEAD_BYTES, so that a long
-   sequence's fetches do not evict the current one's. 64 decodes at context 128: 11.5 -> 9.5 ms
-   over 18 layers; a whole b64 decode step 3-6% faster (7 of 8 paired steps). */
+   sequence's fetches do not evict the current one's (R5). */
 enum { LOOKAHEAD_BYTES = 128 * 1024 };
 
 typedef struct {
@@ -281,8 +280,7 @@ static inline void divide_sums(float *const *ov, int64_t d, float (*sums)[d], co
 }
 
 /* rows[j] = the cache row of KV head g's key at position first + j, for j < span, through the
-   sequence's block table: a block at a time, for a division per key took attention 1.02-1.08x
-   the time. */
+   sequence's block table: a block at a time, for a division per key slowed attention (R6). */
 static void key_rows(const int64_t *table, int64_t first, int64_t span, int64_t block_size, int64_t kv_heads,
                      int64_t g, int64_t *rows) {
     for (int64_t j = 0, pos = first; j < span;) {
@@ -302,7 +300,7 @@ static inline __attribute__((always_inline)) void score_keys(
         const void *k_cache, const void *v_cache, float scale, float softcap, int64_t tile_lo, const int64_t *lo,
         const int64_t *hi, float *weights, lookahead *next, int64_t per_step, const int half, const int tile) {
     /* QK_KEYS keys at a time: each query load serves them all, and the sums in flight keep the FMA
-       units busy where four waited on one another (two keys: 1.2x on 64 decodes at context 336). */
+       units busy where four waited on one another (R7). */
     for (int64_t j = j0; j < j1; j += QK_KEYS) {
         int64_t key[QK_KEYS], ahead[QK_KEYS], far[QK_KEYS];
         for (int u = 0; u < QK_KEYS; u++) {
@@ -320,8 +318,7 @@ static inline __attribute__((always_inline)) void score_keys(
                 for (int u = 0; u < QK_KEYS; u++) {
                     __builtin_prefetch(kv_at(k_cache, ahead[u] + c, half));
                     /* and into L2 further ahead, the key and its value for the value pass: both
-                       streams in flight at once (measured on 64 decodes at context 192: 1.25x
-                       faster than the keys alone) */
+                       streams in flight at once (R8) */
                     __builtin_prefetch(kv_at(k_cache, far[u] + c, half), 0, 1);
                     __builtin_prefetch(kv_at(v_cache, far[u] + c, half), 0, 1);
                 }
@@ -329,8 +326,7 @@ static inline __attribute__((always_inline)) void score_keys(
             v8 k[QK_KEYS];
             for (int u = 0; u < QK_KEYS; u++) k[u] = kv_load8(k_cache, key[u] + c, half);
             /* The queries in registers: gcc folds their loads into the FMAs, QK_KEYS loads each,
-               and then the loads, not the FMAs, set the pace (this loop 1.36x faster on 64
-               decodes at context 192 with the keys in L2). */
+               and then the loads, not the FMAs, set the pace (R9). */
             v8 qc[TILE];
             for (int i = 0; i < tile; i++) {
                 qc[i] = load8(qv[i] + c);
@@ -392,10 +388,10 @@ static inline __attribute__((always_inline)) void value_sums(
 }
 
 /* Attention's two buffers (key rows; scores and numerators), kept per thread between calls up to
-   KEPT_SCRATCH_BYTES each: a decode step allocated and freed them once a layer (about 1 us each
-   at b1, with the consolidation of the small blocks Python frees). A larger buffer, a long
-   sequence's, is the caller's own and freed when given back. NULL when memory ran out. A thread's
-   kept buffers are freed when it exits (each exited thread had left ~70 KB resident). */
+   KEPT_SCRATCH_BYTES each: a decode step allocated and freed them once a layer, each time with
+   the consolidation of the small blocks Python frees (R10). A larger buffer, a long sequence's,
+   is the caller's own and freed when given back. NULL when memory ran out. A thread's kept
+   buffers are freed when it exits (each exited thread had left them resident). */
 enum { SCRATCH_ROWS, SCRATCH_SCORES, SCRATCH_KINDS };
 enum { KEPT_SCRATCH_BYTES = 1 << 20 };
 static __thread void *kept_scratch[SCRATCH_KINDS];
@@ -528,8 +524,7 @@ typedef void (*task_fn)(void *ctx, int part, int parts);
 typedef void (*parallel_fn)(int threads, task_fn fn, void *ctx);
 
 /* Attention with at least this many (token, key) pairs is split over the threads; fewer tokens
-   than threads share them from this many (measured on one decode of Gemma 3's 4 query heads over
-   1 KV head, 2 threads: as fast as one thread at 24-56 keys, 1.2x faster at 96-144). */
+   than threads share them from this many (R11). */
 enum { PARALLEL_ATTENTION_PAIRS = 4096, SHARED_ATTENTION_PAIRS = 64 };
 
 typedef struct {

@@ -34,12 +34,15 @@ wscale_b * xscale_b, acc)): a Q5_0 block that q8 packs exactly gives q8's bits.
 The K-quants (Q4_K, Q5_K, Q6_K) have files of their own (qmatmul_q4k.h, qmatmul_q5k.h,
 qmatmul_q6k.h): the same tiles, rows and threads, with their superblocks' scales, and activations
 with one scale per superblock of 256 (as llama.cpp's Q8_K), so that a superblock sums in integers
-and meets floats once: at 64 rows on Zen 4, Q4_K 1.13x and Q6_K 1.10x the speed of per-block
-float steps (6 and 5 vector operations per row and block beside the 8 multiply-adds). So has q40
+and meets floats once, faster than per-block float steps (6 and 5 vector operations per row and
+block beside the 8 multiply-adds; K1). So has q40
 (qmatmul_q40.h, a GGUF's Q4_0 in its 4.5 bits): q5's layout without the fifth bits.
 
 An LM head's greedy argmax can also run on a coarse copy of its q8 packing, with bounds that settle
 all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h).
+
+K1..K12 in comments (here and in the .h files) name the measurements behind a choice:
+benchmarks/README.md, kernel notes.
 */
 #define _GNU_SOURCE
 #include <math.h>
@@ -65,10 +68,10 @@ all but a few columns, which are then computed exactly (qmatmul_pruned_argmax.h)
 #define SMALL_VALUES_LOG2 4
 #define ROW_CHUNK_BYTES (256 * 1024)    /* quantized activation rows kept in cache together */
 #define QUANTIZE_PARALLEL (64 * 1024)  /* activation values from which the threads share quantizing them */
-#define PREFETCH 2048                   /* bytes ahead of the weights being read (measured: 2048 > 4096, 8192) */
-#define RANGES_PER_THREAD 8             /* items per thread and row chunk: balance when a core is busy (1 to 8 measured alike) */
-#define MIN_RANGE_BYTES (512 * 1024)    /* weights a range reads at least, in a call of one pass: b1 decode steps ran 1.03x
-                                           faster than with 16 ranges of 64 KB for a 1 MB matmul (256 KiB: 1.02x) */
+#define PREFETCH 2048                   /* bytes ahead of the weights being read (K2) */
+#define RANGES_PER_THREAD 8             /* items per thread and row chunk: balance when a core is busy (K2) */
+#define MIN_RANGE_BYTES (512 * 1024)    /* weights a range reads at least, in a call of one pass: fewer, longer
+                                           ranges made one-row decode steps faster (K2) */
 
 enum isa { ISA_PORTABLE, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
 
@@ -476,8 +479,8 @@ static void quantize_row(const float *restrict x, int64_t nb, int64_t span, int8
 }
 
 #if defined(__x86_64__)
-/* quantize_row for AVX-512, written out: gcc's vectorization of the C body spilled, divided twice
-   per block and spent 3 cycles a value, 12% of a prefill. The same operations in the same order
+/* quantize_row for AVX-512, written out: gcc's vectorization of the C body spilled and divided twice
+   per block, a visible share of a prefill (K3). The same operations in the same order
    (the product rounded before the shift that rounds it to an integer, no fused multiply-add), so
    the same bits; a NaN becomes 0 here as in the C body's conversion. */
 __attribute__((target("avx512f,avx512bw")))
@@ -513,8 +516,7 @@ static void quantize_row_avx512(const float *restrict x, int64_t nb, int64_t spa
     }
 }
 
-/* quantize_row for AVX2, written out for the same reason (gcc's vectorization of the C body took
-   5 cycles a value, this 1): the same operations in the same order again. Its packing of int32 to
+/* quantize_row for AVX2, written out for the same reason (K4): the same operations in the same order again. Its packing of int32 to
    bytes saturates where the C body's conversion truncates, so a NaN product (an infinite activation
    times its block's inverse scale, 0), converted to INT_MIN, is set to 0 first as the C body leaves
    it: at -128 it turned that row's NaN outputs into infinities. */
@@ -591,9 +593,7 @@ static void quantize_part(void *ctx, int part, int parts) {
 /* The VNNI kernels read ahead: at block b they prefetch [ahead + b * step, + step), the part of the
    weights the caller will want next (see matmul_part), into L1, and the same span FAR_PREFETCH and
    2 * FAR_PREFETCH bytes further on into L2. The L2 streams keep more lines in flight than the L1
-   one alone: on the LM head at one row, one of them read 1.2x faster than none, and the second
-   another 1.1x (a decode step at 1 and 4 rows 1.06x faster, no change at 64 rows; 4 to 24 KiB
-   apart, or a third stream, alike). */
+   one alone, which helps the few-row steps that are bound by reading the weights (K5). */
 #define FAR_PREFETCH 6144
 static inline void prefetch_ahead(const char *ahead, int64_t step, int64_t b) {
     for (int64_t at = 0; at < step; at += 64) {
@@ -605,10 +605,7 @@ static inline void prefetch_ahead(const char *ahead, int64_t step, int64_t b) {
 
 /* The AVX2 kernels' read-ahead: the same span AVX2_PREFETCH bytes further on, one stream into L1.
    On the AVX2-only Zen 3 EPYC these kernels issue more instructions per weight byte than the VNNI
-   ones, and the three streams above cost more than they hid: whole decode steps, the two builds
-   alternating step by step in one process, ran 1.03x faster at b1 (in both orders, 585 steps
-   each), 1.04x at b4, 1.03x at b16, 1.02x at b64, with prefill alike. 6 KiB past `ahead` ran 1.05x
-   slower than 8, 12 alike; into L2 (prefetcht2) at 8 KiB 1.01-1.06x slower. */
+   ones, and the three streams above cost more than they hid, at every batch size (K6). */
 #define AVX2_PREFETCH 8192
 static inline void prefetch_ahead_avx2(const char *ahead, int64_t step, int64_t b) {
     for (int64_t at = 0; at < step; at += 64) __builtin_prefetch(ahead + AVX2_PREFETCH + b * step + at, 0, 3);
@@ -616,13 +613,12 @@ static inline void prefetch_ahead_avx2(const char *ahead, int64_t step, int64_t 
 
 /* Written before each loop over a kernel's rows or groups: gcc then keeps the accumulator arrays
    in registers. Left to itself it kept acc[] in registers but also stored it to the stack every
-   block, 8 stores per 64 dot products (the LM head at 64 rows ran 1.04-1.10x faster without them). */
+   block, 8 stores per 64 dot products, which slowed the LM head (K7). */
 #define UNROLLED _Pragma("GCC unroll 8")
 
 /* Written after each update of a 256-bit kernel's integer sums: gcc otherwise reassociates a
    block's additions into one tree over all its groups, computes every product first and spills
-   them (64 products a block at 4 rows). With it, q8 at 8 rows ran 1.6x faster (the LM head) and
-   a 4096 x 640 q8 matmul at 64 rows 1.4x, on a 2-core Zen 3. */
+   them (64 products a block at 4 rows), which the kernels pay for at every row count (K8). */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
 typedef void (*tile_kernel)(const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xs, const int32_t *xo,
@@ -819,17 +815,15 @@ static void tile_avx2(const uint8_t *tile, int64_t nb, const int8_t *xq, const f
      int16 pair is at most 2 * 32 * 127 and four groups sum in int16 (< 32767); one vpmaddwd
      widens them. isum = sum(u x) - 16 sum(x), and xo / 8 is -16 sum(x): the same exact integer as
      tile_avx2's, so the same bits. 5 multiply instructions per 4 rows and group where tile_avx2
-     takes 13: a 4096 x 640 matmul at 64 and 512 rows ran 1.5-1.6x faster (Zen 4, AVX2).
+     takes 13 (K9).
    - SMALL_Q5: q5's tiles (also for AVX-VNNI), whose q is u: each group's low 4 bits from its
      nibbles, its fifth bit from the group's bit of the block's fifth-bit bytes, shifted to bit 4.
    - SMALL_SIGNED: signed tiles (for every x86 path: only where AVX2 is the best are weights packed
      so), the signed values against the activations in u8 (xq + 128, passed as xq), so no offset
-     per row and no vpsubb per weight load: each column's -128 sum(w) starts its sums. From L2 on a
-     Zen 3 core 112 GMAC/s, where SMALL_Q8 runs 104 on the same values.
+     per row and no vpsubb per weight load: each column's -128 sum(w) starts its sums (K9).
    Both halves of the tile at once, for up to 3 rows (3 x 2 int16 sums, int32 sums and float
-   outputs: all 16 registers), so that each broadcast activation group feeds two vpmaddubsw: q5's
-   36 gate/up weights 1.26x faster at 1 row, 1.30x at 2 (Zen 3, A/B in one process), q8's small
-   tiles from L2 104 against 96 GMAC/s a core, than a half at a time for 4 rows. */
+   outputs: all 16 registers), so that each broadcast activation group feeds two vpmaddubsw:
+   faster than a half at a time for 4 rows (K9). */
 enum small_layout { SMALL_Q8, SMALL_Q5, SMALL_SIGNED };
 _Static_assert(SMALL_VALUES == Q5_OFFSET, "q8's small values and q5's take the same offset");
 _Static_assert(SMALL_VALUES == 1 << SMALL_VALUES_LOG2, "the offset's sum is xo shifted");
@@ -1193,7 +1187,7 @@ static void keep_largest_portable(const float *restrict out, int rows, int64_t c
 
 #if defined(__x86_64__)
 /* The same with plain loads and stores: gcc made the C body's selects masked moves, which Zen 3 runs
-   slowly enough that at one row they took 15% of the LM head's time. */
+   slowly enough to show in the LM head's time at one row (K10). */
 _Static_assert(TILE == 16, "a tile's row is two 8-lane registers");
 __attribute__((target("avx2")))
 static void keep_largest_avx2(const float *out, int rows, int64_t cols, int64_t col0, float *best, int32_t *best_col) {
@@ -1433,7 +1427,7 @@ static int64_t peak_avx512vnni(int64_t iters) {
 }
 
 /* Written in assembly: gcc's C for this loop kept its accumulators on the stack, and a store and
-   reload per multiply-add measured 0.4x the peak (66 of 170 GMAC/s on a 2-core Zen 3). Six chains
+   reload per multiply-add measured well under the peak (K11). Six chains
    of vpmaddubsw + vpmaddwd + vpaddd, 32 multiply-adds each, all in registers. */
 #define PEAK_AVX2_CHAIN(t, acc)                               \
     "vpmaddubsw %%ymm7, %%ymm6, %%ymm" #t "\n\t"               \

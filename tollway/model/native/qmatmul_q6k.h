@@ -175,8 +175,8 @@ groups sum in int16 (vpaddw), and vpmaddwd widens each such sum times the sub-bl
 column's sc0 or sc1 in both int16 of its lane): sc * 32004 x 2 stays far inside int32. Each row and
 half of the tile starts from -32 (sc0 s0 + sc1 s1): one vpmaddwd of the (sc0, sc1) pairs with the
 row's broadcast (-s0, -s1), shifted by 5. Both halves of the tile at once, for up to 3 rows, so that
-each broadcast activation group feeds two vpmaddubsw: at 8 and 64 rows 1.10x faster than 2 rows at
-a time (Zen 4, from L2), alike at 1 to 4. */
+each broadcast activation group feeds two vpmaddubsw: faster than 2 rows at a time from 8 rows on,
+alike below (K12). */
 __attribute__((target("avx2,fma,f16c")))
 static inline __attribute__((always_inline)) void q6k_avx2_rows(const uint8_t *tile, int64_t nb, const int8_t *xq,
                                                                  const float *xs, const int32_t *xo, int r0, float *out,
