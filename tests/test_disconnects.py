@@ -241,7 +241,9 @@ def test_a_plain_request_is_aborted_when_its_client_goes(server):
     async def hang_up() -> None:
         async with httpx.AsyncClient(timeout=60) as client:
             task = asyncio.ensure_future(client.post(url + "/v1/completions", json=body))
+            deadline = time.monotonic() + 30  # a dead engine thread never runs it: fail, not hang
             while gauges(url)["running"] == 0:
+                assert not task.done() and time.monotonic() < deadline, "the request never started running"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)
             task.cancel()
