@@ -192,6 +192,8 @@ def run_benchmark(name: str, doc: str, run, markdown, full: dict, quick: dict, f
     if per_cpu_kind:
         name += cpu_kind_suffix()
     result = run(settings, args.quick)
+    # Figures are drawn before the JSON is written, into the same folder.
+    (Path(__file__).resolve().parent / ("out" if args.quick else "results")).mkdir(exist_ok=True)
     drawn = figures(result, args.quick) if figures else []
     print(write_record(name, result, args.quick, markdown, *drawn))
     written = [f"{'out' if args.quick else 'results'}/{name}{'-quick' if args.quick else ''}.json", *drawn]
