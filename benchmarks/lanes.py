@@ -135,7 +135,10 @@ class LoadRun:
                         record["finished"] = True
                         active_standard -= out.tier == "standard"
                 bar.update(max(0, min(bar.total, int(done - start)) - bar.n))
+        engine.runner.step_yield.clear()
         engine.abort_all()
+        while engine.has_unfinished():  # a step paused at the window's end runs on, then its requests go
+            engine.step()
         return self.metrics(*window)
 
     def metrics(self, t0: float, t1: float) -> dict:
