@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +33,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.quick)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The test process's peak memory, printed after every run: the suite must fit in 8 GB."""
+def _peak_memory_gib() -> float:
     import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    terminalreporter.write_line(f"peak resident memory of the test process: {peak / 2**30:.2f} GiB")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The test process's peak memory, printed after every run: the suite must fit in 8 GB."""
+    terminalreporter.write_line(f"peak resident memory of the test process: {_peak_memory_gib():.2f} GiB")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under .ci/run ($TOLLWAY_MAX_TEST_MEMORY_GIB), a run past that peak fails, whatever passed."""
+    limit = os.environ.get("TOLLWAY_MAX_TEST_MEMORY_GIB")
+    if limit and _peak_memory_gib() > float(limit) and exitstatus == 0:
+        session.exitstatus = 1
+        print(f"\nthe test process peaked at {_peak_memory_gib():.2f} GiB, over the {limit} GiB allowed")
 
 
 @pytest.fixture(autouse=True, scope="module")
