@@ -195,7 +195,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        return tuple(self.all_token_ids[start:end])
+        """all_token_ids[start:end], straight from the two lists (each step asks, per sequence)."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        if start >= len(prompt):
+            return tuple(output[start - len(prompt):end - len(prompt)])
+        return tuple(prompt[start:end]) + tuple(output[:max(0, end - len(prompt))])
 
     @property
     def finished(self) -> bool:
