@@ -185,15 +185,34 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
 /* Values summed per pass: VALUE_COLS columns of each of the tile's vectors, kept in registers,
    over VALUE_KEYS keys. QK_KEYS: keys whose scores are summed together, each with the tile's
    query vectors. Both as wide as the registers allow (AVX-512 has 32 of them): wider took
-   attention less time, decode and prefill alike, with the same bits (R4). */
+   attention less time, decode and prefill alike, with the same bits (R4). The value pass runs in
+   vectors of VALUE_LANES floats: a column's sum is the same float in any width, and 16 lanes a
+   vector halved the broadcasts and address steps per multiply-add (R12). */
 #if defined(__AVX512F__)
-enum { VALUE_COLS = 32 };
+enum { VALUE_COLS = 64, VALUE_LANES = 16 };
 #define QK_KEYS 4
+typedef float vvalue __attribute__((vector_size(64)));
+
+static inline vvalue kv_load_value(const void *cache, int64_t index, const int half) {
+    vvalue v;
+    if (!half) {
+        memcpy(&v, (const float *)cache + index, sizeof v);
+        return v;
+    }
+    __m256i h;
+    memcpy(&h, (const uint16_t *)cache + index, sizeof h);
+    return (vvalue)_mm512_cvtph_ps(h);
+}
 #else
-enum { VALUE_COLS = 16 };
+enum { VALUE_COLS = 16, VALUE_LANES = 8 };
 #define QK_KEYS 2
+typedef v8 vvalue;
+#define kv_load_value kv_load8
 #endif
 enum { VALUE_KEYS = 16 };
+
+static inline vvalue load_value_sums(const float *p) { vvalue v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_value_sums(float *p, vvalue v) { memcpy(p, &v, sizeof v); }
 
 typedef float v4 __attribute__((vector_size(16)));
 
@@ -221,21 +240,24 @@ static inline __attribute__((always_inline)) void key_sums(v8 acc[QK_KEYS][TILE]
 static inline __attribute__((always_inline)) void value_pass(
         const void *v_cache, const int64_t *rows, const float *weights, int64_t span, int64_t stride, int64_t j0,
         int64_t j1, int64_t d, int64_t c, float (*sums)[d], const int half, const int tile, const int width) {
-    v8 acc[TILE][VALUE_COLS / 8];
+    enum { L = VALUE_LANES };
+    vvalue acc[TILE][VALUE_COLS / L];
     for (int i = 0; i < tile; i++)
-        for (int u = 0; u < width / 8; u++) acc[i][u] = load8(sums[i] + c + 8 * u);
+        for (int u = 0; u < width / L; u++) acc[i][u] = load_value_sums(sums[i] + c + L * u);
     for (int64_t j = j0; j < j1; j++) {
         int64_t value = rows[j] * d + c;
-        if (j + VALUE_KEYS < span) __builtin_prefetch(kv_at(v_cache, rows[j + VALUE_KEYS] * d + c, half));
-        v8 x[VALUE_COLS / 8];
-        for (int u = 0; u < width / 8; u++) x[u] = kv_load8(v_cache, value + 8 * u, half);
+        if (j + VALUE_KEYS < span)
+            for (int line = 0; line < width * (half ? 2 : 4); line += 64)
+                __builtin_prefetch((const char *)kv_at(v_cache, rows[j + VALUE_KEYS] * d + c, half) + line);
+        vvalue x[VALUE_COLS / L];
+        for (int u = 0; u < width / L; u++) x[u] = kv_load_value(v_cache, value + L * u, half);
         for (int i = 0; i < tile; i++) {
             float p = weights[i * stride + j];
-            for (int u = 0; u < width / 8; u++) acc[i][u] += p * x[u];
+            for (int u = 0; u < width / L; u++) acc[i][u] += p * x[u];
         }
     }
     for (int i = 0; i < tile; i++)
-        for (int u = 0; u < width / 8; u++) store8(sums[i] + c + 8 * u, acc[i][u]);
+        for (int u = 0; u < width / L; u++) store_value_sums(sums[i] + c + L * u, acc[i][u]);
 }
 
 /* The next sequence's keys and values, fetched into L2 while this one's last tile runs, a few
@@ -299,6 +321,11 @@ static inline __attribute__((always_inline)) void score_keys(
         const float *const *qv, const int64_t *rows, int64_t j0, int64_t j1, int64_t stride, int64_t d,
         const void *k_cache, const void *v_cache, float scale, float softcap, int64_t tile_lo, const int64_t *lo,
         const int64_t *hi, float *weights, lookahead *next, int64_t per_step, const int half, const int tile) {
+    int64_t all_lo = lo[0], all_hi = hi[0];  /* the positions every vector of the tile reads */
+    for (int i = 1; i < tile; i++) {
+        all_lo = lo[i] > all_lo ? lo[i] : all_lo;
+        all_hi = hi[i] < all_hi ? hi[i] : all_hi;
+    }
     /* QK_KEYS keys at a time: each query load serves them all, and the sums in flight keep the FMA
        units busy where four waited on one another (R7). */
     for (int64_t j = j0; j < j1; j += QK_KEYS) {
@@ -340,6 +367,13 @@ static inline __attribute__((always_inline)) void score_keys(
         fetch_ahead(next, per_step);
         float score[TILE][QK_KEYS];
         key_sums(acc, tile, scale, score);
+        if (softcap == 0.0f && j + QK_KEYS <= j1 && tile_lo + j >= all_lo && tile_lo + j + QK_KEYS - 1 <= all_hi) {
+            /* Keys every vector reads, uncapped, as most of a prefill's are: stored without the
+               per-score tests (R14). */
+            for (int i = 0; i < tile; i++)
+                for (int u = 0; u < QK_KEYS; u++) weights[i * stride + j + u] = score[i][u];
+            continue;
+        }
         for (int u = 0; u < QK_KEYS && j + u < j1; u++) {
             for (int i = 0; i < tile; i++) {
                 float s = score[i][u];
@@ -361,7 +395,14 @@ static inline __attribute__((always_inline)) void softmax_numerators(float *weig
                                                                      float *total, const int tile) {
     for (int i = 0; i < tile; i++) {
         float *w = weights + i * stride, m = -INFINITY;
-        for (int64_t j = 0; j < span; j++) m = w[j] > m ? w[j] : m;
+        /* The maximum in 8 lanes: one running maximum waited on each compare (R13). The same
+           float whatever the order, scores being never NaN. */
+        float lanes[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        int64_t j = 0;
+        for (; j + 8 <= span; j += 8)
+            for (int u = 0; u < 8; u++) lanes[u] = w[j + u] > lanes[u] ? w[j + u] : lanes[u];
+        for (int u = 0; u < 8; u++) m = lanes[u] > m ? lanes[u] : m;
+        for (; j < span; j++) m = w[j] > m ? w[j] : m;
         for (int64_t j = 0; j < span; j++) w[j] = w[j] == -INFINITY ? 0.0f : exp_poly(w[j] - m);
         total[i] = 0.0f;
     }
