@@ -12,8 +12,9 @@ import pytest
 from tollway.config import EngineConfig, SchedulerConfig
 from tollway.request import Request, SamplingParams
 from tollway.scheduler.plan import SampledToken, StepResult
+from tollway.scheduler.scheduler import Scheduler
 from tollway.sim.coasting import Coasting
-from tollway.sim.coasting_scheduler import CoastingScheduler
+from tollway.sim.coasting_groups import CoastingGroups
 from tollway.sim.hardware import estimated_profile
 from tollway.sim.simulator import Simulator
 from tollway.traffic.patterns import Limits, LoadPattern
@@ -82,8 +83,8 @@ def test_a_coaster_finished_from_outside_has_every_token_it_ran_for():
     config = SchedulerConfig(num_blocks=256, max_num_seqs=8, kernel="fp32")
     stand_ins = iter(range(10_000, 20_000))
     ended = []
-    sched = CoastingScheduler(config, Coasting(lambda k: [next(stand_ins) for _ in range(k)],
-                                               lambda r, first, last, offset: ended.append((first, last))))
+    sched = Scheduler(config, groups=CoastingGroups(Coasting(lambda k: [next(stand_ins) for _ in range(k)],
+                                                             lambda r, first, last, offset: ended.append((first, last)))))
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     for i in range(3):
         sched.add(Request(f"r{i}", list(range(1, 40)), params))

@@ -141,7 +141,7 @@ class Books(RuleBasedStateMachine):
         # Per tier: the blocks and slots the reservations are worked out from.
         for tier in sched.tiers:
             mine = [r for r in running if r.tier == tier]
-            assert sched._held[tier] == sum(len(pool.table(r.request_id)) for r in mine), f"{tier} blocks"
+            assert sched.capacity.held(tier) == sum(len(pool.table(r.request_id)) for r in mine), f"{tier} blocks"
             assert sched.running_in(tier) == len(mine), f"{tier} slots"
 
     def teardown(self):
@@ -156,7 +156,7 @@ class Books(RuleBasedStateMachine):
         assert not self.sched.has_unfinished(), "requests never finished"
         pool = self.sched.pool
         assert pool.num_free == pool.num_blocks and pool.num_used == 0
-        assert all(self.sched._held[t] == 0 and self.sched.running_in(t) == 0 for t in self.sched.tiers)
+        assert all(self.sched.capacity.held(t) == 0 and self.sched.running_in(t) == 0 for t in self.sched.tiers)
 
 
 Books.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None, derandomize=True)

@@ -185,6 +185,27 @@ class Request:
             for t in output[before:]:
                 counts[t] = counts.get(t, 0) + 1
 
+    def banned_tokens(self) -> tuple[int, ...]:
+        """The tokens it may not sample yet: its stops, until it has min_tokens."""
+        params = self.params
+        if len(self.output_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+
+    def stop_reason(self, token_id: int, max_len: int) -> str | None:
+        """Why the request finishes with `token_id`, its latest output, or None. `max_len`: the
+        longest its lane runs."""
+        params = self.params
+        outside = self.follower.push(token_id) if self.follower is not None else None
+        if outside is not None:  # first: a stop string wins over length, as in OpenAI
+            return outside
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_len:
+            return "length"
+        return None
+
     @property
     def all_token_ids(self) -> TokenIds:
         """Prompt then output, as one sequence, without joining them."""

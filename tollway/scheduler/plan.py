@@ -149,7 +149,7 @@ class StepResult:
 
 class Change(NamedTuple):
     """What a commit did to one request: the tokens it appended (none for a coaster the
-    simulator caught up; see sim/coasting_scheduler.py), and whether it finished (on the
+    simulator caught up; see sim/coasting_groups.py), and whether it finished (on the
     request: finished, finish_reason)."""
 
     request: Request

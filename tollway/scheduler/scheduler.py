@@ -17,45 +17,39 @@ from collections.abc import Callable, Iterable
 
 from tollway.config import SchedulerConfig
 from tollway.request import InvalidRequest, QueueFullError, Request, RequestState
-from tollway.scheduler.blocks import BlockPool
+from tollway.scheduler.capacity import TierCapacity
+from tollway.scheduler.decode_groups import DecodeGroups
+from tollway.scheduler.kernel_choice import KernelChoice
 from tollway.scheduler.plan import Change, ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
-from tollway.scheduler.speculation import Acceptance, NgramIndex, best_draft_count
+from tollway.scheduler.speculation import Acceptance, Drafter
 from tollway.scheduler.step_budget import StepBudget
 from tollway.scheduler.step_model import StepShape, StepTimeModel
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, step_model: StepTimeModel | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, groups: DecodeGroups | None = None):
         """`step_model` shapes steps under the lanes policy (without one, only token budgets
-        apply); `clock` stamps request times (the simulator passes its own)."""
+        apply); `clock` stamps request times (the simulator passes its own, and `groups`, its
+        way of carrying plain decodes)."""
         config.validate()
         if config.kernel == "auto" and config.int8_max_tokens is None:
             raise ValueError("kernel='auto' needs int8_max_tokens: measure it (the engine does at first start) or set it")
         self.config = config
         self.tiers = config.tiers
         self.policy = POLICY_TYPES[config.policy](self)
-        self.step_model = step_model  # sets _candidates
+        self.step_model = step_model  # sets _kernels
         self.clock = clock
-        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._reserved = {what: {t: config.reserved(what, t) for t in self.tiers} for what in ("kv", "seq")}
-        # The pool bounds a tier's longest request as max_model_len does: a lone request must
-        # always fit once everything else is preempted, or it could never finish. Its last token
-        # needs no KV, hence the + 1.
-        self._max_len = {
-            tier: min(config.context_limit(), (self.pool.num_blocks - sum(
-                r for t, r in self._reserved["kv"].items() if t != tier)) * self.pool.block_size + 1)
-            for tier in self.tiers}
+        self.groups = groups or DecodeGroups()
+        self.groups.attach(self)
+        self.pool = self.groups.block_pool(config)
+        self.capacity = TierCapacity(config, self.pool)
         # Read-only views for metrics.
         self.waiting: dict[str, deque[Request]] = {t: deque() for t in self.tiers}
         self.running: dict[str, Request] = {}  # admission order, newest last
-        # The running requests planned one by one: all of them here (the simulator's scheduler
-        # carries some as groups).
-        self._stepping: dict[str, Request] = self.running
+        self._stepping: dict[str, Request] = {}  # the running requests not in a group: planned one by one
         self._entries: dict[str, _Entry] = {}  # every unfinished request's scheduling state
-        self._held = {t: 0 for t in self.tiers}  # KV blocks held, per tier
-        self._num_running = {t: 0 for t in self.tiers}
         self.speculation = Acceptance()  # all drafts so far, for metrics
         self._counter = 0
         self._step_id = 0
@@ -70,7 +64,7 @@ class Scheduler:
 
     def max_len(self, tier: str) -> int:
         """Longest request (prompt + output) a tier can run."""
-        return self._max_len[tier]
+        return self.capacity.max_len(tier)
 
     def add(self, request: Request) -> None:
         """Queue a request checked at the edge (its Submission); refused here only for what the
@@ -100,7 +94,7 @@ class Scheduler:
         entry = self._entries.get(request_id)
         request = entry.request if entry is not None else None
         if request is not None:
-            self._before_finish(request)
+            self.groups.before_finish(request)
             self._finish(request, reason)
         return request
 
@@ -134,43 +128,22 @@ class Scheduler:
     @step_model.setter
     def step_model(self, model: StepTimeModel | None) -> None:
         self._step_model = model
-        # With kernel="auto", the kernels a step may pick between, ruled by the model: all, and
-        # all but int8 (past the crossover; see fastest). Worked out once: fastest runs for
-        # every sequence a step considers.
-        auto = [k for k in sorted(self.config.kernels_to_load()) if model and k in model.coefficients] \
-            if self.config.kernel == "auto" else []
-        self._candidates = (auto, [k for k in auto if k != "int8"])
+        self._kernels = KernelChoice(self.config, model)
 
     def kernel_for(self, shape: StepShape, headroom: dict[str, float] | None = None) -> str:
         return self.fastest(shape, headroom)[0]
 
     def fastest(self, shape: StepShape, headroom: dict[str, float] | None = None) -> tuple[str, float]:
-        """The linear-layer kernel a step of this shape runs with, and its predicted seconds (0
-        without a step model). With kernel="auto" and a step model, the loaded kernel predicted
-        fastest (stretched by `headroom` when shaping to a target), so adding work never makes
-        a step look faster; else the measured crossover. int8 is a candidate only up to the
-        crossover: past it the model has never seen int8 steps, and its extrapolation is not
-        to be trusted."""
-        config, model = self.config, self.step_model
-        if model is None:
-            return config.kernel_for(shape.tokens), 0.0
-        known = self._candidates[shape.tokens > config.int8_max_tokens] if self._candidates[0] else []
-        if len(known) < 2:
-            kernel = known[0] if known else config.kernel_for(shape.tokens)
-            return kernel, model.predict(shape, kernel)
-        headroom = headroom or {}
-        predicted = {k: model.predict(shape, k) for k in known}
-        kernel = min(known, key=lambda k: predicted[k] * headroom.get(k, 1.0))
-        return kernel, predicted[kernel]
+        """The kernel a step of this shape runs with, and its predicted seconds (kernel_choice.py)."""
+        return self._kernels.fastest(shape, headroom)
 
     def running_in(self, tier: str) -> int:
-        return self._num_running[tier]
+        return self.capacity.running_in(tier)
 
     # ---- what a policy reads (scheduler_view.py) ----------------------------------------------
 
     def stepping(self) -> Iterable[Request]:
-        """The running requests planned one by one: all of them here (the simulator's scheduler
-        carries some as groups)."""
+        """The running requests planned one by one: all of them but those in groups."""
         return self._stepping.values()
 
     def arrival(self, request: Request) -> int:
@@ -185,14 +158,35 @@ class Scheduler:
         """A running request's place in its run phase: lanes runs the longest-skipped first,
         then by admission; fcfs by admission."""
         entry = self._entries[request.request_id]
-        return self._turn(entry.last_step, entry.admitted)
+        return self.policy.turn(entry.last_step, entry.admitted)
 
     def decode_shape(self) -> StepShape:
         """The step of one decode for every running request."""
         shape = StepShape("")
         for r in self._stepping.values():
             shape = shape.plus(r.num_tokens, 1, 1)
-        return self._grouped_decodes(shape)
+        return self.groups.grouped_decodes(shape)
+
+    # ---- what a strategy of groups uses (decode_groups.py) -----------------------------------
+
+    @property
+    def step_id(self) -> int:
+        """The latest plan's step id."""
+        return self._step_id
+
+    @property
+    def committed_step(self) -> int:
+        """The latest committed step's id."""
+        return self._step_id - (self._in_flight is not None)
+
+    def leave_stepping(self, request: Request) -> None:
+        """A running request joins a group: no longer planned one by one."""
+        del self._stepping[request.request_id]
+
+    def rejoin_stepping(self, request: Request, last_step: int) -> None:
+        """A request leaves its group, having run in every step up to `last_step`."""
+        self._entries[request.request_id].last_step = last_step
+        self._stepping[request.request_id] = request
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -217,14 +211,14 @@ class Scheduler:
         self._in_flight = {}
         self._in_flight_step = self._step_id
         now = self.clock()
-        self._begin_plan(now)
-        step = StepBudget(self, self.policy.time_target(now), self._fast_decoding())
+        self.groups.begin_plan(now)
+        step = StepBudget(self, self.policy.time_target(now), self._fast_decoding() or self.groups.fast_decoding())
         preempted: list[str] = []
         for kind, requests, group in self.policy.phases(now):
             if self._suspended is not None:
                 requests = [r for r in requests if self.policy.fast_lane(r.tier) and r.request_id not in self._suspended[1]]
             if kind == "run":
-                for request in self._run_order(requests, group, step):
+                for request in self.groups.run_order(requests, group, step):
                     if request.state is RequestState.RUNNING:  # else preempted earlier in this step
                         self._continue(request, step, preempted, now)
             # Admitting right after preempting would only hand the freed blocks to a newcomer
@@ -233,7 +227,8 @@ class Scheduler:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
         kernel, predicted = self.fastest(step.shape, step.headroom)
         predicted = predicted if self.step_model and step.num_seqs else None
-        return self._make_plan(step, kernel, preempted, predicted)
+        return self.groups.make_plan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
+                                     step.lane if step.capped else None)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Change]:
         """Apply a step's outcome; what changed for each request that got a token (and perhaps
@@ -258,7 +253,7 @@ class Scheduler:
             if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
                 seq.check(plan.step_id, tokens)
             if seq.num_draft:
-                self._entries[rid].acceptance.add(seq.num_draft, len(tokens) - 1)
+                self._entries[rid].drafter.acceptance.add(seq.num_draft, len(tokens) - 1)
                 self.speculation.add(seq.num_draft, len(tokens) - 1)
             # KV is valid up to the last token fed that the model agreed with.
             request.num_computed_tokens = seq.context_len - seq.num_draft + max(0, len(tokens) - 1)
@@ -266,10 +261,9 @@ class Scheduler:
             for token in tokens:
                 request.add_output((token.token_id,))
                 if token.logprob is not None:
-                    request.output_logprobs.append(
-                        {"token_id": token.token_id, "logprob": token.logprob, "top_logprobs": token.top_logprobs}
-                    )
-                reason = self._stop_reason(request, token.token_id)
+                    request.output_logprobs.append({"token_id": token.token_id, "logprob": token.logprob,
+                                                    "top_logprobs": token.top_logprobs})
+                reason = request.stop_reason(token.token_id, self.max_len(request.tier))
                 if reason is not None:
                     break  # accepted drafts past a stop are dropped
             if seq.start_pos // bs != request.num_computed_tokens // bs:
@@ -286,70 +280,21 @@ class Scheduler:
             for request in self._release_after_suspended:
                 self._release(request)
             self._release_after_suspended.clear()
-        self._after_commit(plan.step_id, changed, now)
+        self.groups.after_commit(plan.step_id, changed, now)
         return changed
-
-    # ---- where the simulator's scheduler (sim/coasting_scheduler.py) steps in ---------------
-
-    def _begin_plan(self, now: float) -> None:
-        """A plan starts (its step id and clock set)."""
 
     def _fast_decoding(self) -> bool:
         """Whether a fast request is past its prefill: its TPOT is then at stake."""
         return any(r.tier == "fast" and r.num_computed_tokens == r.num_tokens - 1 for r in self._stepping.values())
 
-    def _run_order(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
-        """A run phase's requests to plan one by one, in order (`group`: the phase's name for
-        the simulator's groups)."""
-        return requests
-
-    def _make_plan(self, step: StepBudget, kernel: str, preempted: list[str], predicted: float | None) -> StepPlan:
-        return StepPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
-                        step.lane if step.capped else None)
-
-    def _after_commit(self, step_id: int, changed: list[Change], now: float) -> None:
-        """A step is committed; `changed` may grow."""
-
-    def _before_finish(self, request: Request) -> None:
-        """`request` is about to be finished from outside a step (an abort)."""
-
-    def _before_victims(self) -> None:
-        """Victims are about to be chosen among the requests planned one by one."""
-
-    def _grouped_decodes(self, shape: StepShape) -> StepShape:
-        """`shape` with the next decodes of the requests not planned one by one."""
-        return shape
-
-    def _turn(self, last_step: int, admitted: int) -> tuple[int, ...]:
-        return self.policy.turn(last_step, admitted)
-
-    # ---- capacity -----------------------------------------------------------------------
-
     def _victims(self, request: Request) -> list[Request]:
         """Running requests `request` may preempt for room, first choice first; only ones not
         yet in this step's plan."""
-        self._before_victims()
+        self.groups.before_victims()
         suspended = self._suspended[1] if self._suspended is not None else {}
         others = [r for r in self._stepping.values()
                   if r.request_id not in self._in_flight and r.request_id not in suspended and r is not request]
         return self.policy.victims(request, others)
-
-    def _reserve_against(self, tier: str) -> int:
-        """Blocks that must stay free when `tier` allocates: other tiers' unused reservations."""
-        return sum(max(0, r - self._held[t]) for t, r in self._reserved["kv"].items() if t != tier)
-
-    def _free_slots(self, tier: str) -> int:
-        held_back = sum(max(0, r - self._num_running[t]) for t, r in self._reserved["seq"].items() if t != tier)
-        return self.config.max_num_seqs - len(self.running) - held_back
-
-    def _fast_fits_to_the_end(self, request: Request) -> bool:
-        """Fast is never preempted, so fast requests never compete for KV among themselves: one
-        is admitted only if every running fast request can still grow to its full length."""
-        def worst(r: Request) -> int:
-            # The last token is sampled but never fed back, so it needs no KV.
-            return self.pool.blocks_for(min(len(r.prompt_token_ids) + r.params.max_tokens, self.max_len(r.tier)) - 1)
-        committed = sum(worst(r) for r in self.running.values() if r.tier == request.tier)
-        return committed + worst(request) <= self.pool.num_blocks
 
     # ---- mechanics ----------------------------------------------------------------------
 
@@ -357,26 +302,10 @@ class Scheduler:
         start = request.num_computed_tokens
         must = self.policy.fast_lane(request.tier)
         remaining = request.num_tokens - start
-        n = step.chunk(start, remaining, True, must, self._fast_prefill_share(request, start, remaining, step, now) if must else 0)
+        n = step.chunk(start, remaining, True, must, step.fast_prefill_share(request, start, remaining, now) if must else 0)
         drafts = self._drafts(request, step) if must and n == 1 and start == request.num_tokens - 1 else []
         if n and self._make_room(request, start + n + len(drafts), preempted):
             step.add(self._schedule(request, n, drafts))
-
-    def _fast_prefill_share(self, request: Request, start: int, remaining: int, step: StepBudget, now: float) -> int:
-        """Tokens of a fast prompt's prefill this step takes even past the TPOT target that
-        fast decodes hold it to. What remains is cut into as many chunks as there are steps
-        before its TTFT target, counting each step as the step model predicts it (a chunk
-        costs its step's fixed cost again, so a chunked step runs past the TPOT target): a
-        prompt that two steps cannot finish in time goes in whole."""
-        fast = self.tiers["fast"]
-        if remaining <= 1 or not fast.ttft_target or not fast.tpot_target:
-            return 0
-        left = fast.ttft_target - (now - request.arrival_time)
-        steps = int(left / fast.tpot_target)
-        while steps > 1 and self.step_model is not None and \
-                steps * step.stretched(step.shape.plus(start, -(-remaining // steps), 1)) > left:
-            steps -= 1
-        return remaining if steps <= 1 else -(-remaining // steps)
 
     def _drafts(self, request: Request, step: StepBudget) -> list[int]:
         """n-gram drafts for a fast decode, as many as pay off (see speculation.py)."""
@@ -386,37 +315,30 @@ class Scheduler:
         if k_max <= 0 or request.params.grammar is not None:  # a grammar masks one token at a time
             return []
         entry = self._entries[request.request_id]
-        if entry.ngrams is None:
-            entry.ngrams, entry.acceptance = NgramIndex(), Acceptance()
-        proposer = entry.ngrams
-        drafts = proposer.propose(request.all_token_ids, k_max)
+        entry.drafter = entry.drafter or Drafter()
         start = request.num_computed_tokens
-        # Drafts are extra work for the step: only as many as keep it within its target.
-        while drafts and not step.fits(start, 1 + len(drafts), 1 + len(drafts)):
-            drafts.pop()
-        rate = entry.acceptance.rate
-        k = best_draft_count(len(drafts), rate, lambda k: step.predict(step.shape.plus(start, 1 + k, 1 + k)) or 1.0,
-                             self.config.speculation_min_rate)
-        return drafts[:k]
+        return entry.drafter.drafts(request.all_token_ids, k_max, lambda k: step.fits(start, 1 + k, 1 + k),
+                                    lambda k: step.predict(step.shape.plus(start, 1 + k, 1 + k)) or 1.0,
+                                    self.config.speculation_min_rate)
 
     def _admit(self, requests: Iterable[Request], step: StepBudget, preempted: list[str], now: float, force: bool) -> None:
         """Admit from `requests` in order until one does not fit. `force`: preempt for it."""
         for request in requests:
             rid = request.request_id
-            if force and not self._fast_fits_to_the_end(request):
+            if force and not self.capacity.fast_fits_to_the_end(request, self.running.values()):
                 return
-            while force and self._free_slots(request.tier) <= 0:
+            while force and self.capacity.free_slots(request.tier) <= 0:
                 if not self._preempt_for(request, preempted):
                     return
-            if self._free_slots(request.tier) <= 0 or not self.policy.may_admit_decode(request):
+            if self.capacity.free_slots(request.tier) <= 0 or not self.policy.may_admit_decode(request):
                 return
             # At least one token is always left to compute, so the step yields logits.
             entry = self._entries[rid]
             cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, entry.block_hashes)
-            self._held[request.tier] += len(self.pool.table(rid))
+            self.capacity.hold(request.tier, len(self.pool.table(rid)))
             remaining = request.num_tokens - cached
             n = step.chunk(cached, remaining, True, force,
-                           self._fast_prefill_share(request, cached, remaining, step, now) if force else 0)
+                           step.fast_prefill_share(request, cached, remaining, now) if force else 0)
             if n == 0:
                 self._release(request)
                 return
@@ -433,7 +355,7 @@ class Scheduler:
             request.state = RequestState.RUNNING
             self.running[rid] = self._stepping[rid] = request
             entry.admitted = self._tick()
-            self._num_running[request.tier] += 1
+            self.capacity.start(request.tier)
             step.add(self._schedule(request, n))
 
     def _schedule(self, request: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
@@ -442,25 +364,18 @@ class Scheduler:
         self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
-                            request.params, len(drafts), self._banned(request), request.output_counts, request.grammar)
-
-    def _banned(self, request: Request) -> tuple[int, ...]:
-        params = request.params
-        if len(request.output_token_ids) >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else request.eos_token_ids
-        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+                            request.params, len(drafts), request.banned_tokens(), request.output_counts, request.grammar)
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))
         if self.pool.blocks_for(num_tokens) <= before:
             return True  # most decodes: no new block, so no reservation to work out
-        ok = self.pool.allocate(request.request_id, num_tokens, reserve=self._reserve_against(request.tier))
-        self._held[request.tier] += len(self.pool.table(request.request_id)) - before
+        ok = self.pool.allocate(request.request_id, num_tokens, reserve=self.capacity.reserve_against(request.tier))
+        self.capacity.hold(request.tier, len(self.pool.table(request.request_id)) - before)
         return ok
 
     def _release(self, request: Request) -> None:
-        self._held[request.tier] -= len(self.pool.table(request.request_id))
+        self.capacity.hold(request.tier, -len(self.pool.table(request.request_id)))
         self.pool.free(request.request_id)
 
     def _make_room(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
@@ -488,7 +403,7 @@ class Scheduler:
         rid = victim.request_id
         del self.running[rid]
         self._stepping.pop(rid, None)
-        self._num_running[victim.tier] -= 1
+        self.capacity.stop(victim.tier)
         self._release(victim)
         victim.state = RequestState.WAITING
         victim.num_computed_tokens = 0
@@ -497,23 +412,12 @@ class Scheduler:
         self.policy.queued(victim)
         preempted.append(rid)
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
-        params = request.params
-        outside = request.follower.push(token_id) if request.follower is not None else None
-        if outside is not None:  # first: a stop string wins over length, as in OpenAI
-            return outside
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):
-            return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_len(request.tier):
-            return "length"
-        return None
-
     def _finish(self, request: Request, reason: str) -> None:
         rid = request.request_id
         if request.state is RequestState.RUNNING:
             del self.running[rid]
             self._stepping.pop(rid, None)
-            self._num_running[request.tier] -= 1
+            self.capacity.stop(request.tier)
         else:
             self.waiting[request.tier].remove(request)
             self.policy.left_queue(request)
@@ -534,7 +438,7 @@ class Scheduler:
 class _Entry:
     """What the scheduler keeps on one unfinished request beside the request itself."""
 
-    __slots__ = ("request", "arrival", "admitted", "last_step", "block_hashes", "ngrams", "acceptance")
+    __slots__ = ("request", "arrival", "admitted", "last_step", "block_hashes", "drafter")
 
     def __init__(self, request: Request, arrival: int):
         self.request = request
@@ -542,5 +446,4 @@ class _Entry:
         self.admitted = 0  # admission counter, newest largest (set again after a preemption)
         self.last_step = 0  # the step it last ran in: skipped ones go first
         self.block_hashes: list[bytes] = []  # kept across preemptions: hash once
-        self.ngrams: NgramIndex | None = None  # draft proposer and its record, once it drafts
-        self.acceptance: Acceptance | None = None
+        self.drafter: Drafter | None = None  # once it drafts

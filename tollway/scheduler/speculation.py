@@ -56,6 +56,23 @@ class Acceptance:
         self.accepted += accepted
 
 
+class Drafter:
+    """One request's drafting: its n-gram index, and its record of drafts accepted."""
+
+    def __init__(self):
+        self.ngrams = NgramIndex()
+        self.acceptance = Acceptance()
+
+    def drafts(self, tokens, k_max: int, fits: Callable[[int], bool], step_seconds: Callable[[int], float],
+               min_rate: float) -> list[int]:
+        """Up to k_max drafts after `tokens`, as many as pay off (best_draft_count) among those
+        that still `fit` the step: drafts are extra work for it."""
+        drafts = self.ngrams.propose(tokens, k_max)
+        while drafts and not fits(len(drafts)):
+            drafts.pop()
+        return drafts[:best_draft_count(len(drafts), self.acceptance.rate, step_seconds, min_rate)]
+
+
 def best_draft_count(available: int, rate: float, step_seconds: Callable[[int], float], min_rate: float) -> int:
     """The k in 0..available that maximises expected tokens per second for one sequence,
     where draft i is accepted with probability rate^i (all before it were) and a step with k

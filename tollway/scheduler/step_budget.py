@@ -78,6 +78,22 @@ class StepBudget:
             lo = max(lo, min(n, max(self.sched.pool.block_size, at_least)))
         return lo
 
+    def fast_prefill_share(self, request, start: int, remaining: int, now: float) -> int:
+        """Tokens of a fast prompt's prefill this step takes even past the TPOT target that
+        fast decodes hold it to. What remains is cut into as many chunks as there are steps
+        before its TTFT target, counting each step as the step model predicts it (a chunk
+        costs its step's fixed cost again, so a chunked step runs past the TPOT target): a
+        prompt that two steps cannot finish in time goes in whole."""
+        fast = self.sched.tiers["fast"]
+        if remaining <= 1 or not fast.ttft_target or not fast.tpot_target:
+            return 0
+        left = fast.ttft_target - (now - request.arrival_time)
+        steps = int(left / fast.tpot_target)
+        while steps > 1 and self.sched.step_model is not None and \
+                steps * self.stretched(self.shape.plus(start, -(-remaining // steps), 1)) > left:
+            steps -= 1
+        return remaining if steps <= 1 else -(-remaining // steps)
+
     def fits(self, start: int, n: int, logit_rows: int) -> bool:
         """Whether this step, plus n tokens from `start`, is predicted to meet its time target."""
         return self.shape_fits(self.shape.plus(start, n, logit_rows))

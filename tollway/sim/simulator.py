@@ -11,7 +11,7 @@ report as a measured run.
 Prompts and outputs are random token ids: no prefix-cache hits, and no n-gram drafts for the
 fast lane (speculation is not simulated, so it is off).
 
-Plain decodes coast (coasting.py, coasting_scheduler.py): the scheduler carries them as groups, and this
+Plain decodes coast (coasting.py, coasting_groups.py): the scheduler carries them as groups, and this
 loop meters them and stamps their token times from each replica's StepLog when they stop. The
 results are those of planning every sequence in every step (`coast=False`), only faster.
 """
@@ -36,7 +36,7 @@ from tollway.scheduler.plan import SampledToken, StepPlan, StepResult
 from tollway.scheduler.policies import POLICY_TYPES
 from tollway.scheduler.scheduler import Scheduler
 from tollway.sim.coasting import Coasting
-from tollway.sim.coasting_scheduler import CoastingPlan, CoastingScheduler
+from tollway.sim.coasting_groups import CoastingGroups, CoastingPlan
 from tollway.sim.routing import make_router
 from tollway.sim.step_log import StepLog
 from tollway.sim.step_series import step_series
@@ -118,8 +118,8 @@ class Simulator:
         for replica in self.replicas:
             if coast and POLICY_TYPES[config.policy].coasts:
                 replica.coasting = Coasting(self._stand_in_tokens, functools.partial(self._coasted, replica))
-                replica.scheduler = CoastingScheduler(copy.deepcopy(config), replica.coasting, machine.step_model(),
-                                                      clock)
+                replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock,
+                                              CoastingGroups(replica.coasting))
             else:
                 replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock)
         self.route = make_router(routing)

@@ -1,24 +1,23 @@
-"""The simulator's scheduler: the engine's Scheduler, with plain decodes coasting (coasting.py).
+"""The simulator's way of carrying plain decodes: as coasting groups (coasting.py), a strategy
+the engine's Scheduler takes (scheduler/decode_groups.py).
 
-Every hook of the core (scheduler.py) it fills in keeps the plans exactly those of planning
-every sequence one by one: a coasting group is taken whole only where each member would have
+Each of its calls keeps the plans exactly those of planning every sequence one by one: a coasting group is taken whole only where each member would have
 been planned as one decode in its turn, and is woken (brought up to date, then planned one by
 one) wherever a check could come out differently. tests/test_coasting.py compares the two.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
 from tollway.config import SchedulerConfig
 from tollway.request import Request, RequestState
 from tollway.scheduler.blocks import BlockPool
-from tollway.scheduler.plan import Change, StepPlan
-from tollway.scheduler.scheduler import Scheduler
+from tollway.scheduler.decode_groups import DecodeGroups
+from tollway.scheduler.plan import Change, ScheduledSeq, StepPlan
 from tollway.scheduler.step_budget import StepBudget
-from tollway.scheduler.step_model import StepShape, StepTimeModel
+from tollway.scheduler.step_model import StepShape
 from tollway.sim.coasting import Coaster, Coasting, CoastStep
 
 
@@ -82,132 +81,135 @@ class PromisingBlockPool(BlockPool):
         return False
 
 
-class CoastingScheduler(Scheduler):
-    def __init__(self, config: SchedulerConfig, coasting: Coasting, step_model: StepTimeModel | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """Only for a policy that coasts (Policy.coasts)."""
-        super().__init__(config, step_model, clock)
-        if not self.policy.coasts:
-            raise ValueError(f"the {config.policy} policy does not coast")
-        self.pool = PromisingBlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._coasting = coasting
-        coasting.block_size = config.block_size
-        self._stepping = {}  # the running requests that do not coast
+class CoastingGroups(DecodeGroups):
+    """Only for a policy that coasts (Policy.coasts)."""
+
+    def __init__(self, coasting: Coasting):
+        self.coasting = coasting
         self._groups_taken: list[str] = []  # coasting groups in the plan being made
         self._plan_groups: list[CoastStep] = []  # and their shares of it
         self._woken: dict[str, list[Request]] = {}  # coasters woken to be preemptible, by group, this plan
 
-    def _begin_plan(self, now: float) -> None:
+    def attach(self, scheduler) -> None:
+        if not scheduler.policy.coasts:
+            raise ValueError(f"the {scheduler.config.policy} policy does not coast")
+        super().attach(scheduler)
+        self.coasting.block_size = scheduler.config.block_size
+
+    def block_pool(self, config: SchedulerConfig) -> BlockPool:
+        return PromisingBlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+
+    def begin_plan(self, now: float) -> None:
         self._groups_taken, self._plan_groups, self._woken = [], [], {}
-        for coaster in self._coasting.due(now):
-            self._wake(coaster, self._step_id - 1)
+        for coaster in self.coasting.due(now):
+            self._wake(coaster, self.scheduler.step_id - 1)
 
-    def _fast_decoding(self) -> bool:
-        return bool(self.policy.fast_lane("fast") and self._coasting.group("fast").count) or super()._fast_decoding()
+    def fast_decoding(self) -> bool:
+        return bool(self.scheduler.policy.fast_lane("fast") and self.coasting.group("fast").count)
 
-    def _make_plan(self, step: StepBudget, kernel: str, preempted: list[str], predicted: float | None) -> CoastingPlan:
-        return CoastingPlan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
-                            step.lane if step.capped else None, tuple(self._plan_groups))
+    def make_plan(self, step_id: int, seqs: list[ScheduledSeq], kernel: str, preempted: list[str],
+                  predicted: float | None, budget: float | None, capped_by: str | None) -> CoastingPlan:
+        return CoastingPlan(step_id, seqs, kernel, preempted, predicted, budget, capped_by, tuple(self._plan_groups))
 
-    def _before_finish(self, request: Request) -> None:
-        coaster = self._coasting.members.get(request.request_id)
+    def before_finish(self, request: Request) -> None:
+        coaster = self.coasting.members.get(request.request_id)
         if coaster is not None:  # up to the last committed step
-            self._wake(coaster, self._step_id - (self._in_flight is not None))
+            self._wake(coaster, self.scheduler.committed_step)
 
-    def _grouped_decodes(self, shape: StepShape) -> StepShape:
-        for group in self._coasting.groups.values():
+    def grouped_decodes(self, shape: StepShape) -> StepShape:
+        for group in self.coasting.groups.values():
             # a coaster's next decode starts at its position in this step + 1
-            shape = shape.with_decodes(group.count, group.pairs_at(self._step_id) + group.count)
+            shape = shape.with_decodes(group.count, group.pairs_at(self.scheduler.step_id) + group.count)
         return shape
 
-    def _after_commit(self, step_id: int, changed: list[Change], now: float) -> None:
+    def after_commit(self, step_id: int, changed: list[Change], now: float) -> None:
         """Coasters whose last token came in this step finish (and join `changed`); requests
         that got a token and now decode plainly start coasting."""
+        s = self.scheduler
         starting = [c.request for c in changed if c.request.state is RequestState.RUNNING and self._may_coast(c.request, now)]
-        for coaster in self._coasting.finishing(step_id):
+        for coaster in self.coasting.finishing(step_id):
             self._wake(coaster, step_id)
-            self._finish(coaster.request, "length")
+            s.finish(coaster.request.request_id, "length")
             changed.append(Change(coaster.request, []))
         for request in starting:
-            rid = request.request_id
             left = min(request.params.max_tokens - len(request.output_token_ids),
-                       self.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
-            del self._stepping[rid]
-            self._coasting.start(request, self.policy.coast_group(request), step_id, self._entries[rid].admitted, step_id + left,
-                                 self.policy.due(request))
+                       s.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
+            s.leave_stepping(request)
+            self.coasting.start(request, s.policy.coast_group(request), step_id, s.admitted(request), step_id + left,
+                                s.policy.due(request))
 
     def _may_coast(self, request: Request, now: float) -> bool:
         """Whether every step until its last token would plan it as one plain decode, as far as
         the request itself goes: no stop but its length, no banned tokens, nothing to report
         per token, no drafts, not a batch request that has fallen due."""
-        params = request.params
+        s, params = self.scheduler, request.params
         if request.num_computed_tokens != request.num_tokens - 1 or not request.output_token_ids:
             return False
         if params.stop or params.stop_token_ids or not params.ignore_eos or params.logprobs is not None:
             return False
         if len(request.output_token_ids) < params.min_tokens:
             return False
-        if self.policy.fast_lane(request.tier) and self.config.speculative_tokens:
+        if s.policy.fast_lane(request.tier) and s.config.speculative_tokens:
             return False
-        if len(self.pool.table(request.request_id)) != self.pool.blocks_for(request.num_computed_tokens):
+        if len(s.pool.table(request.request_id)) != s.pool.blocks_for(request.num_computed_tokens):
             return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
-        return not self.policy.is_due(request, now)
+        return not s.policy.is_due(request, now)
 
     def _wake(self, coaster: Coaster, last_step: int) -> Request:
         """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
         one by one from here."""
-        request = coaster.request
+        s, request = self.scheduler, coaster.request
         rid = request.request_id
-        self._coasting.stop(rid)
+        self.coasting.stop(rid)
         # Its blocks were promised step by step (_take_coasting), through the latest plan if
         # that took its group: hand out those it ran into, give back any it did not.
-        blocks_for, had = self.pool.blocks_for, len(self.pool.table(rid))
-        promised_to = self._step_id if coaster.group in self._groups_taken else self._step_id - 1
+        pool = s.pool
+        blocks_for, had = pool.blocks_for, len(pool.table(rid))
+        promised_to = s.step_id if coaster.group in self._groups_taken else s.step_id - 1
         promised = blocks_for(coaster.offset + promised_to + 1) - had
         used = blocks_for(coaster.offset + last_step + 1) - had
         if promised > used:
-            self.pool.promise(used - promised)
-            self._held[request.tier] -= promised - used
+            pool.promise(used - promised)
+            s.capacity.hold(request.tier, used - promised)
         if used:
-            self.pool.allocate(rid, coaster.offset + last_step + 1, promised=used)
+            pool.allocate(rid, coaster.offset + last_step + 1, promised=used)
         steps = last_step - coaster.anchor
         if steps > 0:
-            request.add_output(self._coasting.tokens(steps))
+            request.add_output(self.coasting.tokens(steps))
             request.num_computed_tokens = coaster.computed + steps
-            bs = self.pool.block_size
+            bs = pool.block_size
             if coaster.computed // bs != request.num_computed_tokens // bs:
-                self.pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
-            self._entries[rid].last_step = last_step
-            if self._coasting.on_end:
-                self._coasting.on_end(request, coaster.anchor + 1, last_step, coaster.offset)
-        self._stepping[rid] = request
+                pool.cache_full_blocks(rid, request.all_token_ids, request.num_computed_tokens)
+            if self.coasting.on_end:
+                self.coasting.on_end(request, coaster.anchor + 1, last_step, coaster.offset)
+        s.rejoin_stepping(request, max(last_step, coaster.anchor))
         return request
 
     def _wake_group(self, name: str) -> list[Request]:
-        return [self._wake(c, self._step_id - 1) for c in list(self._coasting.members.values()) if c.group == name]
+        return [self._wake(c, self.scheduler.step_id - 1) for c in list(self.coasting.members.values()) if c.group == name]
 
-    def _run_order(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
-        """A run phase's requests to plan one by one, in order; where the phase's coasting group
-        falls in that order, the group is taken whole if every check would pass for each member,
-        else woken and planned with the rest."""
-        coasters = self._coasting.groups.get(group) if group else None
+    def run_order(self, requests: list[Request], group: str | None, step: StepBudget) -> Iterable[Request]:
+        """Where the phase's coasting group falls in its order, the group is taken whole if
+        every check would pass for each member, else woken and planned with the rest."""
+        s = self.scheduler
+        coasters = self.coasting.groups.get(group) if group else None
         if coasters is None:
             yield from requests
             return
         if group in self._woken:  # woken earlier in this step (to be preempted, or not)
-            requests = sorted(requests + self._woken.pop(group), key=self.turn_of)
+            requests = sorted(requests + self._woken.pop(group), key=s.turn_of)
         if coasters.count:
-            last = self._step_id - 1  # every coaster ran in the last step
-            lo, hi = self._turn(last, coasters.min_admitted), self._turn(last, coasters.max_admitted)
-            before = [r for r in requests if self.turn_of(r) < lo]
-            after = [r for r in requests if self.turn_of(r) > hi]
+            last = s.step_id - 1  # every coaster ran in the last step
+            lo, hi = s.policy.turn(last, coasters.min_admitted), s.policy.turn(last, coasters.max_admitted)
+            before = [r for r in requests if s.turn_of(r) < lo]
+            after = [r for r in requests if s.turn_of(r) > hi]
             if len(before) + len(after) == len(requests):  # no stepping request's turn falls among the group's
                 yield from before
                 if coasters.count and self._take_coasting(group, coasters, step):
                     yield from after
                     return
                 requests = after
-            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=self.turn_of)
+            requests = sorted(self._wake_group(group) + self._woken.pop(group, []) + requests, key=s.turn_of)
         yield from requests
 
     def _take_coasting(self, name: str, coasters, step: StepBudget) -> bool:
@@ -215,14 +217,15 @@ class CoastingScheduler(Scheduler):
         turn: the token budget, the sequence cap and the time target allow them all (time grows
         with every feature, so the whole group fitting means each did in turn), and the blocks
         the members' next tokens need are there without preempting anyone."""
-        t, n = self._step_id, coasters.count
+        s = self.scheduler
+        t, n = s.step_id, coasters.count
         pairs = coasters.pairs_at(t)
-        if step.tokens_left < n or step.num_seqs + n > self.config.max_num_seqs:
+        if step.tokens_left < n or step.num_seqs + n > s.config.max_num_seqs:
             return False
         if step.seconds is not None:
-            if not self.step_model.monotone:
+            if not s.step_model.monotone:
                 return False  # time would not grow with work: the group's sum proves nothing
-            must = self.policy.fast_lane(name)  # fast always runs; a miss caps the step
+            must = s.policy.fast_lane(name)  # fast always runs; a miss caps the step
             if not step.shape_fits(step.shape.with_decodes(n, pairs)):
                 if not must:
                     return False
@@ -230,19 +233,19 @@ class CoastingScheduler(Scheduler):
         needing = coasters.needing_blocks(t)
         if needing:
             need = sum(needing.values())
-            if need > self.pool.num_free - max(map(self._reserve_against, self.tiers)):
+            if need > s.pool.num_free - max(map(s.capacity.reserve_against, s.tiers)):
                 return False
-            self.pool.promise(need)  # block ids are handed out when each coaster wakes
+            s.pool.promise(need)  # block ids are handed out when each coaster wakes
             for tier, count in needing.items():
-                self._held[tier] += count
+                s.capacity.hold(tier, count)
         step.add_decodes(n, pairs)
         self._plan_groups.append(CoastStep(name, n, pairs, name == "fast"))
         self._groups_taken.append(name)
         return True
 
-    def _before_victims(self) -> None:
+    def before_victims(self) -> None:
         """Coasting groups not in this step become preemption candidates, planned one by one
         when their phase comes."""
-        for name, group in self._coasting.groups.items():
+        for name, group in self.coasting.groups.items():
             if group.count and name not in self._groups_taken:
                 self._woken.setdefault(name, []).extend(self._wake_group(name))
