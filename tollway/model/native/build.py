@@ -21,7 +21,7 @@ from pathlib import Path
 
 _log = logging.getLogger(__name__)
 
-# The CPU that each instruction set qmatmul.c can be forced down to (TOLLWAY_ISA) stands for.
+# The CPU that each instruction set the integer matmul can be forced down to (TOLLWAY_ISA) stands for.
 # x86-64-v3 is AVX2, FMA, F16C and BMI2: the AVX2 kernels' own.
 _FORCED_MARCH = {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
 _BUILDERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tollway-cc")  # one per source
@@ -46,26 +46,28 @@ def native_flags(forced_isa: str | None = None) -> list[str]:
     return ["-O3", *march, "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-shared", "-fPIC"]
 
 
-def compiled_library(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
+def compiled_library(source: Path | tuple[Path, ...], folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
                      fallback: str = "torch") -> Path | None:
     """`source` (including `headers`) built with `flags` for this machine, reusing a build of
-    the same sources, flags, compiler and CPU; `fallback` says what runs instead in the warning."""
+    the same sources, flags, compiler and CPU; `fallback` says what runs instead in the warning.
+    Several sources make one library, named after the first."""
     return start_build(source, folder, flags, headers, fallback).result()
 
 
-def start_build(source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
+def start_build(source: Path | tuple[Path, ...], folder: Path, flags: list[str], headers: tuple[Path, ...] = (),
                 fallback: str = "torch") -> Future:
     """compiled_library's answer, to come: the build starts now in the background, or is the
     one of the same library already under way."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    key = (cc, source, folder, tuple(flags), tuple(headers))
+    sources = (source,) if isinstance(source, Path) else tuple(source)
+    key = (cc, sources, folder, tuple(flags), tuple(headers))
     with _building_lock:
         future = _building.get(key)
         if future is None and key in _built and _built[key].is_file():
             future = Future()  # found by this process already: not hashed again (each engine asks)
             future.set_result(_built[key])
         elif future is None:
-            future = _building[key] = _BUILDERS.submit(_build, cc, source, folder, flags, headers, fallback)
+            future = _building[key] = _BUILDERS.submit(_build, cc, sources, folder, flags, headers, fallback)
             future.add_done_callback(lambda _: _forget(key))
         return future
 
@@ -78,14 +80,14 @@ def _forget(key: tuple) -> None:
             _built[key] = future.result()
 
 
-def _build(cc: str | None, source: Path, folder: Path, flags: list[str], headers: tuple[Path, ...],
+def _build(cc: str | None, sources: tuple[Path, ...], folder: Path, flags: list[str], headers: tuple[Path, ...],
            fallback: str) -> Path | None:
-    name = source.stem
+    source, name = sources[0], sources[0].stem
     if not cc:
         _warn_no_compiler()
         return None
     try:
-        parts = [p.read_bytes() for p in (source, *headers)]
+        parts = [p.read_bytes() for p in (*sources, *headers)]
         key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), _compiler_identity(cc),
                                          platform.machine().encode(), _cpu_flags()])).hexdigest()[:16]
         lib = folder / f"{name}-{key}.so"
@@ -95,7 +97,8 @@ def _build(cc: str | None, source: Path, folder: Path, flags: list[str], headers
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
         os.close(fd)
         try:
-            built = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
+            built = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
+                                   timeout=120)
             if built.returncode != 0:
                 _log.warning("compiling %s failed, using %s:\n%s", source.name, fallback, built.stderr.strip())
                 return None

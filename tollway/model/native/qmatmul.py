@@ -30,8 +30,9 @@ from tollway.checkpoint import cache_root
 
 _log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
-_SOURCE = _HERE / "qmatmul.c"
-_HEADERS = tuple(sorted(_HERE.glob("*.h")))  # what qmatmul.c includes
+# One library of them all, named after qmatmul.c (the matmul itself); qmatmul.h says which does what.
+_SOURCES = (_HERE / "qmatmul.c", *sorted(p for p in _HERE.glob("qmatmul_*.c")))
+_HEADERS = tuple(sorted(_HERE.glob("*.h")))
 # No -march=native: each kernel carries its own target attribute, so the lower paths stay what
 # they claim to be. No FMA contraction: the float sums are written out, the same in every path.
 _FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fno-trapping-math",
@@ -321,5 +322,5 @@ def q8_library(cache_dir: str | os.PathLike | None = None) -> Q8Library | None:
 
 
 def q8_build(cache_dir: str | os.PathLike | None = None) -> Future:
-    """The build of qmatmul.c (build.start_build): the path of the library to come, or None."""
-    return start_build(_SOURCE, cache_root(cache_dir) / "native", _FLAGS, _HEADERS, fallback="torch fp32 for the q8 kernel")
+    """The build of the integer matmul (build.start_build): the path of the library to come, or None."""
+    return start_build(_SOURCES, cache_root(cache_dir) / "native", _FLAGS, _HEADERS, fallback="torch fp32 for the q8 kernel")

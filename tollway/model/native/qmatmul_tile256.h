@@ -1,4 +1,4 @@
-/* The 256-bit VNNI q8 tile kernel, included by qmatmul.c once per encoding of its dot-product
+/* The 256-bit VNNI q8 tile kernel, included by qmatmul_kernels.c once per encoding of its dot-product
    instruction: TILE256 names it, TILE256_ROWS its body for n rows, TILE256_TARGET its instruction
    sets, and DOT256(isum, w, x) adds one row's u8 x s8 group dot product. Each block's sums start at
    -128 * the activations' sum, for the weights' +128. A tile's 16 output rows are two halves of 8

@@ -1,6 +1,5 @@
-/* q6k: a GGUF's Q6_K weights in their own 6.5625 bits, laid out for qmatmul.c's kernels. Included by
-qmatmul.c after its formats' common parts (tiles of 16 output rows, blocks of 32 along K, the
-activations, the prefetching and the row switches).
+/* q6k: a GGUF's Q6_K weights in their own 6.5625 bits, laid out for the matmul's tiles of 16
+output rows and blocks of 32 along K (qmatmul.h), with its kernels.
 
 Q6_K keeps superblocks of 256 values: 6-bit values q (128 bytes of low nibbles, 64 of high bit
 pairs), an int8 scale per 16 values and an fp16 d: w = d * sc * (q - 32). Here a tile keeps, per
@@ -20,6 +19,7 @@ fma((float)S, d * xs, acc). The -32 takes each half block's sum of quantized act
 after quantizing (q6k_half_sums, the format's activation_sums) writes them, negated, as two int16
 into xo's slot of the block (low: values 0..15, high: 16..31), in place of q8's -128 x the block's
 sum. */
+#include "qmatmul_simd.h"
 
 #define Q6K_SUPER 256                                   /* values per superblock */
 #define Q6K_BLOCKS (Q6K_SUPER / QBLOCK)                 /* blocks per superblock */
@@ -292,4 +292,4 @@ static tile_kernel q6k_kernel_for(int isa) {
     return q6k_tile_portable;
 }
 
-static const format Q6K = {q6k_tile_bytes, q6k_kernel_for, no_small_kernel, 0, q6k_half_sums, 1};
+const format Q6K = {q6k_tile_bytes, q6k_kernel_for, no_small_kernel, 0, q6k_half_sums, 1};

@@ -1,7 +1,7 @@
 /* Rows of a GGUF tensor as float32, read from the file's blocks where they lie (the memory map): the
-embedding's rows of a step's tokens, without a float copy of the table. Included by qmatmul.c, and
-self-contained: every value is what GGUF's dequantization gives, in float32 (d * q, with d * sc
+embedding's rows of a step's tokens, without a float copy of the table. Every value is what GGUF's dequantization gives, in float32 (d * q, with d * sc
 formed first where the format has sub-block scales, as gguf-py and ggml do). */
+#include "qmatmul_kmin.h"  /* Q4_K's and Q5_K's 6-bit scales */
 
 enum gguf_type { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q5_0 = 6, GGUF_Q8_0 = 8, GGUF_Q4_K = 12,
                  GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30 };

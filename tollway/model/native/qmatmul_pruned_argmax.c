@@ -1,4 +1,4 @@
-/* The greedy token of a q8 LM head found on a coarse copy of its weights; included by qmatmul.c.
+/* The greedy token of a q8 LM head found on a coarse copy of its weights (qmatmul.h).
 
 At many rows the head is bound by its multiply instructions, and on AVX2 a full-range int8 value
 costs a vpsignb beside every vpmaddubsw. The coarse copy holds each value q rounded to
@@ -19,6 +19,7 @@ of every tile kernel: the same column as q8_matmul_argmax, on any instruction se
 drops the columns the floor has since passed, then the lower half of its upper bounds; a row whose
 final floor does not pass every dropped bound (or is not finite: a NaN or infinite activation), or
 whose list held only equal bounds, runs the exact matmul, all such rows of a call in one. */
+#include "qmatmul_simd.h"
 
 #define COARSE_STEP 8
 #define CANDIDATES 4096 /* per row and range; a full list drops the columns the floor has since passed */
@@ -178,7 +179,7 @@ static int32_t made_room(candidate *list, int32_t count, float floor, float *dro
    floor has risen, are passed over on one bound for the whole tile. Another thread may lower the
    shared floor by writing over a larger one: each value ever written is some column's lower bound,
    so a lower floor only lists more columns. */
-static void prune_outputs(struct pruning *p, const float *out, int rows, int64_t cols, int64_t t, int64_t r0,
+void prune_outputs(struct pruning *p, const float *out, int rows, int64_t cols, int64_t t, int64_t r0,
                           int64_t range) {
     const float *reach = p->reach + t * p->nb * TILE, *xa = p->xa + r0 * p->nb;
     float floors[MAX_ROWS], e[TILE];

@@ -1,6 +1,5 @@
-/* q40: a GGUF's Q4_0 weights in their own 4.5 bits, laid out for qmatmul.c's kernels. Included by
-qmatmul.c after its formats' common parts (tiles of 16 output rows, blocks of 32 along K, the
-activations, the prefetching and the row switches).
+/* q40: a GGUF's Q4_0 weights in their own 4.5 bits, laid out for the matmul's tiles of 16
+output rows and blocks of 32 along K (qmatmul.h), with its kernels.
 
 Q4_0 keeps blocks of 32 values: an fp16 d and 16 bytes of nibbles (value j the low nibble of byte j,
 value j + 16 its high nibble), w = d * (q - 8). Here a tile keeps q5's layout without its fifth bits:
@@ -12,6 +11,7 @@ per block the nibbles in 4 chunks of 64 bytes, chunk p holding groups p (low nib
 4.5 bits a weight, the file's own. A block's isum is dot(q - 8, xq), exact in integers, and every
 path sums acc = fma((float)isum, d * xscale, acc), as q8 and q5 do. The -8 takes the block's sum of
 quantized activations: -8 sum(x) = xo / 16, exactly (xo is -128 sum(x)). */
+#include "qmatmul_simd.h"
 
 #define Q40_BLOCK_BYTES (Q4_NIBBLES + TILE * 2)  /* nibbles, then the fp16 scales */
 #define Q40_OFFSET 8                             /* w = d * (q - 8) */
@@ -135,4 +135,4 @@ static tile_kernel q40_kernel_for(int isa) {
     return q40_tile_portable;
 }
 
-static const format Q40 = {q40_tile_bytes, q40_kernel_for, no_small_kernel, 0};
+const format Q40 = {q40_tile_bytes, q40_kernel_for, no_small_kernel, 0};

@@ -1,7 +1,6 @@
-/* q5k: a GGUF's Q5_K weights in 5.625 bits, laid out for qmatmul.c's kernels. Included by qmatmul.c
-after its formats' common parts (tiles of 16 output rows, blocks of 32 along K, the activations, the
-prefetching and the row switches) and after qmatmul_q4k.h, whose superblock head, sums and float
-step it shares.
+/* q5k: a GGUF's Q5_K weights in 5.625 bits, laid out for the matmul's tiles of 16 output rows and
+blocks of 32 along K (qmatmul.h), with its kernels; it shares Q4_K's superblock head, sums and float
+step (qmatmul_kmin.h).
 
 Q5_K keeps superblocks of 256 values: an fp16 d and dmin, 12 bytes of 6-bit scales sc and mins m per
 block of 32 (packed as Q4_K's), 32 bytes of fifth bits (bit j of byte i: value i of block j), and 128
@@ -17,6 +16,7 @@ rows' sc as bytes:
 
 5.625 bits a weight against the file's 5.5 (its 12 bytes of packed 6-bit scales become 16 bytes).
 Every path sums a superblock as q4k's do, in integers (|S| < 2^26), then one float step. */
+#include "qmatmul_kmin.h"
 
 #define Q5K_SUPER 256                                   /* values per superblock */
 #define Q5K_BLOCKS (Q5K_SUPER / QBLOCK)                 /* blocks per superblock */
@@ -187,4 +187,4 @@ static tile_kernel q5k_kernel_for(int isa) {
     return q5k_tile_portable;
 }
 
-static const format Q5K = {q5k_tile_bytes, q5k_kernel_for, no_small_kernel, 0, kmin_pair_sums, 1};
+const format Q5K = {q5k_tile_bytes, q5k_kernel_for, no_small_kernel, 0, kmin_pair_sums, 1};
