@@ -230,7 +230,7 @@ def test_an_abort_ends_the_stream_with_a_final_output_and_frees_at_once(server):
     assert final.finished and final.finish_reason == "abort" and len(final.token_ids) >= first.num_output_tokens >= 1
     assert [o.request_id for o in ended] == [final.request_id]  # the observers saw it end, once
     held = engine.occupancy
-    assert held.idle and held.kv_blocks_used == 0 and engine.progress == {}
+    assert held.idle and held.kv_blocks_used == 0 and engine.running == ()
 
 
 def test_a_plain_request_is_aborted_when_its_client_goes(server):

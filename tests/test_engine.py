@@ -127,11 +127,11 @@ def test_what_the_server_reads_follows_the_requests(engine):
     assert engine.tier_of(fast) == "fast" and engine.tier_of(standard) == "standard"
     assert engine.tier_of("no-such-request") is None
     assert engine.outstanding_tokens() == 20 + 3 + 10 + 3
-    assert sorted(engine.unstarted()) == sorted([(fast, "fast"), (standard, "standard")])
+    assert sorted((r.request_id, r.tier) for r in engine.unstarted()) == sorted([(fast, "fast"), (standard, "standard")])
     held = engine.occupancy()
     assert held.waiting["fast"] == held.waiting["standard"] == 1 and held.idle is False
     engine.step()
-    assert set(engine.running()) == {fast, standard} and engine.unstarted() == []
+    assert {r.request_id for r in engine.running()} == {fast, standard} and engine.unstarted() == []
     assert engine.outstanding_tokens() < 20 + 3 + 10 + 3
     while engine.has_unfinished():
         engine.step()

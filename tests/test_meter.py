@@ -11,7 +11,8 @@ from tollway.config import default_tiers
 from tollway.meter.ledger import Ledger
 from tollway.meter.meter import Meter
 from tollway.meter.price_card import PriceCard
-from tollway.request import SamplingParams
+from tollway.meter.tab import Tab
+from tollway.request import SamplingParams, Submission
 from tollway.scheduler.occupancy import Occupancy
 from tollway.scheduler.plan import ScheduledSeq, StepPlan, StepResult
 from tollway.scheduler.step_model import StepTimeModel
@@ -27,13 +28,12 @@ def _mixed_run(make_engine, tmp_path, policy: str):
     engine.step_model = engine.scheduler.step_model = StepTimeModel(COEFFS, refit_every=10**9)
     meter = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / f"{policy}.sqlite"))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tiers = {}
-    for i in range(16):
-        tier = "standard" if i % 4 else "batch"
-        tiers[engine.add_request([1000 + i] * 24, params, tier=tier)] = tier
-    for i in range(2):
-        tiers[engine.add_request([2000 + i] * 24, params, tier="fast")] = "fast"
-    meter.watch(tiers)
+    tiers, tabs = {}, {}
+    lanes = [("standard" if i % 4 else "batch", 1000 + i) for i in range(16)] + [("fast", 2000 + i) for i in range(2)]
+    for tier, token in lanes:
+        tab = Tab()
+        rid = engine.submit(Submission([token] * 24, params), tier, tab=tab)
+        tiers[rid], tabs[rid] = tier, tab
     capped = 0
     while engine.has_unfinished():
         report = engine.step()
@@ -43,7 +43,7 @@ def _mixed_run(make_engine, tmp_path, policy: str):
         # stretches small steps most (fixed costs), which would blur the premium under test.
         result = dataclasses.replace(report.result, seconds=engine.step_model.predict(plan.shape))
         meter.on_step(dataclasses.replace(report, result=result))
-    seconds = {rid: meter.release([rid]) for rid in tiers}
+    seconds = {rid: tab.seconds for rid, tab in tabs.items()}
     return meter, seconds, tiers, capped
 
 
@@ -83,11 +83,11 @@ def _report(plan: StepPlan, result: StepResult) -> StepReport:
 
 def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
     meter = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "ledger.sqlite"))
-    meter.watch(["s", "f"])
+    tabs = {"s": Tab(), "f": Tab()}
     greedy = SamplingParams(temperature=0)
 
     def step(step_id, *seqs, capped_by="fast"):
-        seqs = [ScheduledSeq(rid, tier, (1,), 100, (0,), True, greedy) for rid, tier in seqs]
+        seqs = [ScheduledSeq(rid, tier, (1,), 100, (0,), True, greedy, tab=tabs[rid]) for rid, tier in seqs]
         meter.on_step(_report(StepPlan(step_id, seqs, "int8", capped_by=capped_by), StepResult(step_id, {}, 0.1)))
 
     step(1, ("s", "standard"))  # kept short for a fast lane with no request in it
@@ -97,7 +97,7 @@ def test_readiness_is_charged_to_the_next_fast_request(tmp_path):
     assert meter.readiness_seconds == held
     step(3, ("f", "fast"), ("s", "standard"))
     assert meter.readiness_seconds == 0 and meter.attributed_seconds == pytest.approx(0.3)
-    fast, standard = meter.release(["f"]), meter.release(["s"])
+    fast, standard = tabs["f"].seconds, tabs["s"].seconds
     assert fast > held and fast + standard == pytest.approx(0.3)
 
 
@@ -105,12 +105,14 @@ def test_a_requests_own_work_is_charged_to_it_alone(tmp_path):
     """A grammar's mask is one request's work (StepResult.own_seconds): that request pays it on
     top of its share of the rest of the step, and the step still adds up."""
     greedy = SamplingParams(temperature=0)
-    seqs = [ScheduledSeq(rid, "standard", (1,), 100, (0,), True, greedy) for rid in ("a", "b")]
     plain = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "plain.sqlite"))
     masked = Meter(PriceCard(3.6, default_tiers()), Ledger(tmp_path / "masked.sqlite"))
+    seconds = {}
     for meter, result in ((plain, StepResult(1, {}, 0.1)), (masked, StepResult(1, {}, 0.13, {"a": 0.03}))):
-        meter.watch(["a", "b"])
+        tabs = {"a": Tab(), "b": Tab()}
+        seqs = [ScheduledSeq(rid, "standard", (1,), 100, (0,), True, greedy, tab=tabs[rid]) for rid in tabs]
         meter.on_step(_report(StepPlan(1, seqs, "int8"), result))
-    assert plain.release(["a"]) == pytest.approx(0.05) and plain.release(["b"]) == pytest.approx(0.05)
-    assert masked.release(["a"]) == pytest.approx(0.08) and masked.release(["b"]) == pytest.approx(0.05)
+        seconds[meter] = {rid: tab.seconds for rid, tab in tabs.items()}
+    assert seconds[plain]["a"] == pytest.approx(0.05) and seconds[plain]["b"] == pytest.approx(0.05)
+    assert seconds[masked]["a"] == pytest.approx(0.08) and seconds[masked]["b"] == pytest.approx(0.05)
     assert masked.attributed_seconds == pytest.approx(masked.busy_seconds)

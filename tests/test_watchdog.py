@@ -40,7 +40,7 @@ def test_a_request_without_progress_makes_health_fail_and_is_counted(server):
     body = {"model": MODEL, "prompt": [7] * 10, "max_tokens": 200, "ignore_eos": True}
     done = threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs={"json": body, "timeout": 120})
     done.start()
-    while not engine.progress:
+    while not engine.running:
         time.sleep(0.05)
     time.sleep(0.5)  # a few steps, so the bound is set by measured steps
     bound = watchdog.bound

@@ -9,14 +9,14 @@ Every request ends the same way, whether it finished or was aborted (while waiti
 preempted, or while a step that holds it runs: the abort is applied after that step): the
 scheduler frees its blocks and slot, and a final RequestOutput goes to the observers and then
 to its stream, which always ends with exactly one. After every change the thread publishes the
-scheduler's Occupancy, and when each running request last made progress (for the watchdog).
+scheduler's Occupancy and the running requests (each with when a plan last took it, for the
+watchdog). No books are kept by request id: each request carries its outlet (Request.listener).
 """
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
@@ -24,9 +24,8 @@ import torch
 
 from tollway.engine import Engine
 from tollway.outputs import RequestOutput
-from tollway.request import SamplingParams, Submission
+from tollway.request import Request, SamplingParams, Submission
 from tollway.scheduler.occupancy import Occupancy
-from tollway.scheduler.plan import StepPlan
 from tollway.step_report import StepReport
 
 
@@ -95,13 +94,15 @@ class AsyncEngine:
         self._fast_lane = engine.scheduler.policy.fast_lane  # read-only: safe from any thread
         self._observers = (on_step,) if on_step is not None else ()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Outputs the engine has made (each request's listener, an _Outlet, puts them here), to be
+        # handed out once the observers have seen their step.
+        self._made: list[tuple[_Outlet, RequestOutput]] = []
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the observers
         self._stopping = False
         self.error: BaseException | None = None
         # Published by the engine thread after every change; read from any thread.
         self.occupancy = engine.occupancy()
-        self.progress: dict[str, float] = {}  # running request id -> when it last ran (monotonic)
+        self.running: tuple[Request, ...] = ()  # each with when a plan last took it (the watchdog's)
         self.longest_step = 0.0  # seconds: the longest step measured so far
         self._thread = threading.Thread(target=self._loop, name="tollway-engine", daemon=True)
         self._thread.start()
@@ -110,15 +111,17 @@ class AsyncEngine:
         """Engine.check, from any thread: InvalidRequest for bad input."""
         return self.engine.check(prompt, params)
 
-    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> RequestStream:
+    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None,
+                  tab: object | None = None) -> RequestStream:
         """Submit a request checked at the edge (check(), or the server's validation). What only
         the scheduler knows is raised here (QueueFullError, InvalidRequest for a prompt past its
         lane's KV share); outputs then come from the returned stream. A caller cancelled while
-        the add is queued leaves nothing behind: the request is aborted once it lands."""
+        the add is queued leaves nothing behind: the request is aborted once it lands. `tab`: the
+        meter's, which the request carries (meter/tab.py)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
-        self._post(("add", submission, tier, request_id, loop, outputs, added))
+        self._post(("add", submission, tier, request_id, tab, loop, outputs, added))
         if self._fast_lane(tier):  # the step in flight stops after its current layer to let it in
             self.engine.runner.step_yield.ask()
         try:
@@ -157,9 +160,11 @@ class AsyncEngine:
         stream ending with error(tier) raised in place of outputs; how many were refused."""
         def refuse(engine: Engine) -> int:
             queued = engine.unstarted()
-            for request_id, _ in queued:
-                engine.abort(request_id)
-            self._deliver([(request_id, error(tier), True) for request_id, tier in queued])
+            refused = [(r.listener, error(r.tier), True) for r in queued]
+            for request in queued:
+                request.listener = None  # its stream ends with the error, not with the abort's output
+                engine.abort(request.request_id)
+            self._deliver(refused)
             return len(queued)
 
         return self.run(refuse).result()
@@ -206,7 +211,9 @@ class AsyncEngine:
             stopped: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 -- every waiter must hear of it
             self.error = stopped = e
-        self._deliver([(rid, stopped, True) for rid in list(self._outputs)])
+        # Every stream still waiting hears of it, those whose outputs were made but not handed out too.
+        outlets = dict.fromkeys([o for o, _ in self._made] + [r.listener for r in self.engine.unfinished()])
+        self._deliver([(outlet, stopped, True) for outlet in outlets if isinstance(outlet, _Outlet)])
 
     def _steps(self) -> None:
         while not self._stopping:
@@ -225,17 +232,15 @@ class AsyncEngine:
                 if report.ran or report.paused:
                     for observe in self._observers:
                         observe(report)
-                self._publish(report.occupancy, report.plan)
-                self._deliver([(out.request_id, out, out.finished) for out in report.outputs])
+                self._publish(report.occupancy)
+                self._deliver_made()
                 if self._aborted:  # a caller whose event loop closed meanwhile
                     self._publish(self.engine.occupancy())
                     self._end_aborted()
 
-    def _publish(self, occupancy: Occupancy, plan: StepPlan | None = None) -> None:
-        """Occupancy, and when each running request last ran, as of now."""
-        now = time.monotonic()
-        ran = {s.request_id for s in plan.seqs} if plan is not None else ()
-        self.progress = {rid: now if rid in ran else self.progress.get(rid, now) for rid in self.engine.running()}
+    def _publish(self, occupancy: Occupancy) -> None:
+        """Occupancy and the running requests, as of now."""
+        self.running = tuple(self.engine.running())
         self.occupancy = occupancy
 
     def _drain(self, block: bool) -> bool:
@@ -254,15 +259,14 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, submission, tier, request_id, loop, outputs, added = command
+            _, submission, tier, request_id, tab, loop, outputs, added = command
             if not added.set_running_or_notify_cancel():
                 return  # its caller was cancelled while this was queued: nothing to add
             try:
-                rid = self.engine.submit(submission, tier, request_id)
+                rid = self.engine.submit(submission, tier, request_id, tab, _Outlet(loop, outputs, self._made))
             except ValueError as e:
                 added.set_exception(e)
                 return
-            self._outputs[rid] = (loop, outputs)
             added.set_result(rid)
         elif kind == "abort":
             self._abort(command[1])
@@ -287,27 +291,42 @@ class AsyncEngine:
             report = StepReport(None, None, outputs, self.engine.occupancy())
             for observe in self._observers:
                 observe(report)
-            self._deliver([(out.request_id, out, True) for out in outputs])
+            self._deliver_made()
 
-    def _deliver(self, items: list[tuple[str, object, bool]]) -> None:
-        """Hand each (request id, output or error, whether it is the last) to its stream: one
+    def _deliver_made(self) -> None:
+        made, self._made = self._made, []
+        self._deliver([(outlet, out, out.finished) for outlet, out in made])
+
+    def _deliver(self, items: list[tuple[_Outlet, object, bool]]) -> None:
+        """Hand each (outlet, output or error, whether it is the last) to its stream: one
         wake-up per event loop for them all, since each wake-up is a system call and a turn of
         that loop."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object, str, bool]]] = {}
-        for request_id, item, last in items:
-            target = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
-            if target is not None:
-                loop, outputs = target
-                batches.setdefault(loop, []).append((outputs, item, request_id, last))
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object, bool]]] = {}
+        for outlet, item, last in items:
+            batches.setdefault(outlet.loop, []).append((outlet.queue, item, last))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that caller's event loop is closed: nobody is listening
-                for _, _, request_id, last in batch:
+                for _, item, last in batch:
                     if not last:
-                        self._abort(request_id)
+                        self._abort(item.request_id)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object, str, bool]]) -> None:
-    for outputs, item, _, _ in batch:
+class _Outlet:
+    """Where one request's outputs go (its Request.listener): its stream's queue, on its
+    caller's event loop. The engine calls it with each output it makes; AsyncEngine hands them
+    out once the step's observers have run."""
+
+    __slots__ = ("loop", "queue", "made")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, made: list):
+        self.loop, self.queue, self.made = loop, queue, made
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.made.append((self, out))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object, bool]]) -> None:
+    for outputs, item, _ in batch:
         outputs.put_nowait(item)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 import os
 import time
@@ -143,9 +144,12 @@ class Engine:
             prompt = self.tokenizer.encode(prompt)
         return Submission.check(list(prompt), params, self.model_config.vocab_size, self.max_model_len)
 
-    def submit(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> str:
+    def submit(self, submission: Submission, tier: str = "standard", request_id: str | None = None,
+               tab: object | None = None, listener: Callable[[RequestOutput], None] | None = None) -> str:
         """A request checked at the edge, taken on trust; the scheduler still refuses what only it
-        knows (QueueFullError, or InvalidRequest where a lane's KV share cannot hold the prompt)."""
+        knows (QueueFullError, or InvalidRequest where a lane's KV share cannot hold the prompt).
+        `tab`: the meter's, charged each step the request is in (meter/tab.py); `listener`: called
+        with each of its outputs as it is made, the last included, on the engine thread."""
         params = submission.params
         grammar = None
         if params.grammar is not None:
@@ -153,7 +157,8 @@ class Engine:
                 raise InvalidRequest("this model has no tokenizer, so it cannot follow a grammar", "response_format")
             grammar = self.runner.grammars.start(params.grammar)
         request = Request(request_id or f"req-{next(self._ids)}", submission.prompt_token_ids, params, tier=tier,
-                          eos_token_ids=tuple(self.tokenizer.eos_token_ids if self.tokenizer else ()), grammar=grammar)
+                          eos_token_ids=tuple(self.tokenizer.eos_token_ids if self.tokenizer else ()), grammar=grammar,
+                          tab=tab, listener=listener)
         if self.tokenizer is not None or grammar is not None:
             stream = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop) if self.tokenizer else None
             request.follower = TextAndGrammar(stream, grammar)
@@ -194,9 +199,13 @@ class Engine:
     def occupancy(self) -> Occupancy:
         return Occupancy.of(self.scheduler)
 
-    def running(self) -> list[str]:
-        """The ids of the requests running, in admission order."""
-        return list(self.scheduler.running)
+    def running(self) -> list[Request]:
+        """The requests running, in admission order."""
+        return list(self.scheduler.running.values())
+
+    def unfinished(self) -> list[Request]:
+        """Every request waiting or running."""
+        return [self.scheduler.get(rid) for rid in self.scheduler.request_ids()]
 
     def tier_of(self, request_id: str) -> str | None:
         """The lane of an unfinished request; None for an unknown or finished one."""
@@ -213,10 +222,10 @@ class Engine:
             total += max(0, r.params.max_tokens - len(r.output_token_ids))
         return total
 
-    def unstarted(self) -> list[tuple[str, str]]:
-        """(request id, tier) of every waiting request that has never run: refusing one loses
-        no work (a preempted request has run, and has output or cache to show for it)."""
-        return [(r.request_id, r.tier) for q in self.scheduler.waiting.values() for r in q
+    def unstarted(self) -> list[Request]:
+        """Every waiting request that has never run: refusing one loses no work (a preempted
+        request has run, and has output or cache to show for it)."""
+        return [r for q in self.scheduler.waiting.values() for r in q
                 if not r.num_preemptions and not r.output_token_ids and not r.num_computed_tokens]
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -305,4 +314,6 @@ class Engine:
             out.new_text = stream.release(finished)
             if finished:
                 out.text = stream.text[: stream.released]
+        if req.listener is not None:
+            req.listener(out)
         return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -171,6 +171,10 @@ class Request:
     # and its grammar, asked at each committed token whether the request must finish.
     follower: OutputFollower | None = field(default=None, repr=False)
     grammar: object | None = field(default=None, repr=False)  # its matcher (model/grammar.py), for the runner
+    tab: object | None = field(default=None, repr=False)  # its meter tab (meter/tab.py), where it is metered
+    # Who hears of its outputs: called with each one the engine makes (AsyncEngine's delivery).
+    listener: Callable[[object], None] | None = field(default=None, repr=False)
+    last_planned: float | None = None  # when a plan last took it (the scheduler's clock), for the watchdog
 
     def __post_init__(self) -> None:
         if self.params.penalizes_repeats:

@@ -6,12 +6,11 @@ in the step to pay for it. That readiness is what gives the next fast arrival it
 so it is held as `readiness_seconds` and charged to the next fast requests to run.
 
 `on_step` runs on the engine thread before the step's outputs are handed out, so a request's
-engine seconds are complete by the time its handler sees it finish.
+engine seconds (its tab, tab.py) are complete by the time its handler sees it finish.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 
 from tollway.config import TIERS
 from tollway.meter.attribution import attribute, carry_readiness
@@ -28,8 +27,7 @@ class Meter:
     def __init__(self, price_card: PriceCard, ledger: Ledger, budgets: Budgets | None = None):
         self.price_card, self.ledger = price_card, ledger
         self.budgets = budgets or Budgets([], ledger)
-        self._seconds: dict[str, float] = {}  # engine request id -> attributed seconds, while watched
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # over the totals below, which metrics read from other threads
         self.busy_seconds = 0.0  # every step's measured time
         # Handed out to requests; with readiness_seconds, equal to busy_seconds but for rounding.
         self.attributed_seconds = 0.0
@@ -46,27 +44,17 @@ class Meter:
         shares = attribute(plan, result.seconds - sum(own.values()), coefficients, 1.0)
         for rid, seconds in own.items():
             shares[rid] = shares.get(rid, 0.0) + seconds
+        # Readiness held for the fast lane goes to the next fast requests that run with a tab.
+        fast = [s.request_id for s in plan.seqs if s.tier == "fast" and s.tab is not None]
         with self._lock:
             self.busy_seconds += result.seconds
-            fast = [s.request_id for s in plan.seqs if s.tier == "fast" and s.request_id in self._seconds]
             self.readiness_seconds = carry_readiness(shares, self.readiness_seconds, fast)
             self.attributed_seconds += sum(shares.values())
-            tiers = {s.request_id: s.tier for s in plan.seqs}
-            for rid, seconds in shares.items():
-                self.tier_seconds[tiers[rid]] += seconds
-                if rid in self._seconds:
-                    self._seconds[rid] += seconds
-
-    def watch(self, request_ids: Iterable[str]) -> None:
-        """Start summing these engine requests' seconds (before they are submitted)."""
-        with self._lock:
-            for rid in request_ids:
-                self._seconds.setdefault(rid, 0.0)
-
-    def release(self, request_ids: Iterable[str]) -> float:
-        """Stop watching these requests; their engine seconds so far, summed."""
-        with self._lock:
-            return sum(self._seconds.pop(rid, 0.0) for rid in request_ids)
+            for s in plan.seqs:
+                seconds = shares.get(s.request_id, 0.0)
+                self.tier_seconds[s.tier] += seconds
+                if s.tab is not None:
+                    s.tab.seconds += seconds
 
     def cost(self, engine_seconds: float) -> float:
         return engine_seconds * self.price_card.price_per_second

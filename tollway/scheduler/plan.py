@@ -34,6 +34,7 @@ class ScheduledSeq(NamedTuple):
     # them: the request's own, not a copy (it changes only when the step that holds it commits).
     output_counts: dict[int, int] | None = None
     grammar: object | None = None  # the request's (Request.grammar), for the runner's masks
+    tab: object | None = None  # the request's meter tab (Request.tab), charged its share of the step
 
     @property
     def drafts(self) -> tuple[int, ...]:

@@ -225,6 +225,8 @@ class Scheduler:
             # and thrash; vLLM makes the same call. Fast is the exception: it preempts to get in.
             elif kind == "admit fast" or not preempted:
                 self._admit(requests, step, preempted, now, force=kind == "admit fast")
+        for request in self._in_flight.values():
+            request.last_planned = now
         kernel, predicted = self.fastest(step.shape, step.headroom)
         predicted = predicted if self.step_model and step.num_seqs else None
         return self.groups.make_plan(self._step_id, step.seqs, kernel, preempted, predicted, step.budget(kernel),
@@ -364,7 +366,8 @@ class Scheduler:
         self._entries[request.request_id].last_step = self._step_id
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
-                            request.params, len(drafts), request.banned_tokens(), request.output_counts, request.grammar)
+                            request.params, len(drafts), request.banned_tokens(), request.output_counts, request.grammar,
+                            request.tab)
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))

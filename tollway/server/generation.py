@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
+from tollway.meter.tab import Tab
 from tollway.outputs import RequestOutput
 from tollway.request import InvalidRequest, QueueFullError
 from tollway.server.call_ids import new_call_id
@@ -58,7 +59,8 @@ class Generation:
         self.billed_tier = tier  # the canary bills a promoted call as standard unless told otherwise
         self.canary: str | None = None  # its canary arm, where it was eligible (canary.py)
         self.key, self.tags = "", []  # the API key's name and the request's tags, for the ledger
-        self.metered = False  # watched by the meter and not yet settled
+        self.metered = False  # on the meter's tabs and not yet settled
+        self.tabs: list[Tab] = []  # the meter's, a choice each, where it is metered
         self.cost: float | None = None  # set when settled
         self.price: float | None = None
         self.engine_seconds: float | None = None
@@ -82,7 +84,8 @@ class Generation:
                 self.choices.append(Choice(index, submission.prompt_token_ids))
                 # Shielded: a caller that leaves meanwhile must not lose the stream of an add
                 # that lands anyway, or what it ran would go unaborted and unbilled.
-                self._adding = asyncio.ensure_future(engine.add(submission, self.tier, self.request_id(index)))
+                tab = self.tabs[index] if self.tabs else None
+                self._adding = asyncio.ensure_future(engine.add(submission, self.tier, self.request_id(index), tab))
                 self.streams.append(await asyncio.shield(self._adding))
                 self._adding = None
         except QueueFullError as e:
@@ -98,9 +101,6 @@ class Generation:
     def request_id(self, index: int) -> str:
         """The engine request id of choice `index`."""
         return f"{self.id}-{index}"
-
-    def request_ids(self, count: int) -> list[str]:
-        return [self.request_id(i) for i in range(count)]
 
     def abort(self) -> None:
         """Withdraw every choice still running (a no-op for finished ones), and one still being
@@ -215,7 +215,7 @@ def ledger_row(gen: Generation, meter) -> LedgerRow:
     arrival = min((o.arrival_time for o in outs), default=None)
     scheduled = [o.first_scheduled_time for o in outs if o.first_scheduled_time is not None]
     first_tokens = [o.first_token_time for o in outs if o.first_token_time is not None]
-    seconds = meter.release(gen.request_ids(len(gen.prompts) * gen.n))  # all watched, added or not
+    seconds = sum(tab.seconds for tab in gen.tabs)  # every choice's, added or not
     price = meter.price_card.billed(gen.billed_tier, prompt, completion)
     return LedgerRow(
         id=gen.id, created=gen.arrived, key=gen.key, tier=gen.tier, model=gen.model,

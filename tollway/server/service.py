@@ -15,6 +15,7 @@ from tollway.async_engine import AsyncEngine
 from tollway.config import CanaryConfig, KeySpec
 from tollway.meter.budgets import BudgetExceeded
 from tollway.meter.meter import Meter
+from tollway.meter.tab import Tab
 from tollway.server.batch_runner import BatchRunner
 from tollway.server.batch_store import BatchStore
 from tollway.server.call_timing import CallTiming
@@ -94,7 +95,6 @@ class Service:
             if gen.canary == PROMOTED:
                 gen.tier = "fast"
                 gen.billed_tier = "fast" if self.canary.config.bill_promoted else tier
-        ids = gen.request_ids(sub.num_requests)
         if meter is not None:
             # the most it can be billed
             most = meter.price_card.billed(gen.billed_tier, sub.prompt_tokens, sub.most_output_tokens)
@@ -111,7 +111,7 @@ class Service:
                                          sub.prompt_tokens + sub.most_output_tokens, owner)
             if meter is not None:
                 gen.metered = True
-                meter.watch(ids)
+                gen.tabs = [Tab() for _ in range(sub.num_requests)]
             gen.timing.submitted = time.monotonic()
             await gen.start(self.engine, sub)
         except BaseException as e:
@@ -119,7 +119,6 @@ class Service:
                 self.withdraw(gen)  # the client left while it was being added: abort what lands, bill what ran
             elif meter is not None:  # refused before any engine work: nothing to record, nothing to hold
                 gen.metered = False
-                meter.release(ids)
                 asyncio.get_running_loop().run_in_executor(None, meter.budgets.release, gen.id)
             raise
         return gen, limits

@@ -38,8 +38,8 @@ class Watchdog:
     def check(self) -> list[str]:
         """What is stuck now, in words (empty when all is well); each case is counted once."""
         now, bound, occupancy = time.monotonic(), self.bound, self.engine.occupancy
-        stuck = {rid: f"request {rid} has run {now - ran:.0f} s without progress"
-                 for rid, ran in self.engine.progress.items() if now - ran > bound}
+        stuck = {r.request_id: f"request {r.request_id} has run {now - r.last_planned:.0f} s without progress"
+                 for r in self.engine.running if r.last_planned is not None and now - r.last_planned > bound}
         if occupancy.idle and occupancy.kv_blocks_used:
             self._held_idle_since = self._held_idle_since or now
             if now - self._held_idle_since > bound:
