@@ -3,6 +3,7 @@ reference of the same quantization, the same bits from every path, a row's bits 
 the rows beside it and of the thread count, and the fallbacks."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
@@ -12,6 +13,7 @@ import torch
 
 from tollway.model.layers import Linear
 from tollway.model.native import qmatmul
+from tollway.model.native.build import compiled_library
 from tollway.model.native.qmatmul import ISAS, Q8Library, q8_library
 
 from quantized_rows import check_fused_argmax
@@ -222,6 +224,21 @@ def test_without_a_compiler_q8_runs_on_torch(tmp_path, monkeypatch, caplog):
     finally:
         qmatmul.q8_library.cache_clear()
     assert "qmatmul.c" in caplog.text and "torch" in caplog.text
+
+
+@pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler")
+def test_a_library_of_several_sources_links_and_a_failing_one_is_named(tmp_path, caplog):
+    """As the integer matmul's sources are built: an object each, side by side, then one library."""
+    (tmp_path / "one.c").write_text("int one(void) { return 1; }\n")
+    (tmp_path / "two.c").write_text("int one(void);\nint two(void) { return one() + 1; }\n")
+    (tmp_path / "bad.c").write_text("int three(void) { return no_such_name; }\n")
+    flags, out = ["-O2", "-shared", "-fPIC"], tmp_path / "out"
+    lib = compiled_library((tmp_path / "one.c", tmp_path / "two.c"), out, flags)
+    assert lib.name.startswith("one-") and ctypes.CDLL(str(lib)).two() == 2
+    with caplog.at_level(logging.WARNING):
+        assert compiled_library((tmp_path / "one.c", tmp_path / "bad.c"), out, flags, fallback="torch") is None
+    assert "compiling one.c failed" in caplog.text and "no_such_name" in caplog.text
+    assert [p.name for p in out.iterdir()] == [lib.name]  # no object or half-built library left behind
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])

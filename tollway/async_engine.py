@@ -294,7 +294,8 @@ class AsyncEngine:
             self._deliver_made()
 
     def _deliver_made(self) -> None:
-        made, self._made = self._made, []
+        made = self._made[:]
+        self._made.clear()  # in place: every outlet holds this list
         self._deliver([(outlet, out, out.finished) for outlet, out in made])
 
     def _deliver(self, items: list[tuple[_Outlet, object, bool]]) -> None:
