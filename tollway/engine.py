@@ -307,8 +307,11 @@ class Engine:
             finished=finished, finish_reason=req.finish_reason,
             num_cached_prompt_tokens=req.num_cached_prompt_tokens, arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-            time=now, num_steps=req.num_steps, steps_to_first_token=req.steps_to_first_token,
+            time=now, previous_token_time=req.last_output_time, num_steps=req.num_steps,
+            steps_to_first_token=req.steps_to_first_token,
         )
+        if new_ids:
+            req.last_output_time = now
         stream = req.follower.stream if req.follower is not None else None
         if stream is not None:
             out.new_text = stream.release(finished)

@@ -25,10 +25,11 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_prompt_tokens: int = 0
     # monotonic seconds: when the request arrived, was first scheduled, got its first token,
-    # and when this output was made
+    # when this output was made, and when the one before it with tokens was (None: none was)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     time: float = 0.0
+    previous_token_time: float | None = None
     num_steps: int = 0  # steps that ran with the request in them so far
     steps_to_first_token: int | None = None

@@ -175,6 +175,7 @@ class Request:
     # Who hears of its outputs: called with each one the engine makes (AsyncEngine's delivery).
     listener: Callable[[object], None] | None = field(default=None, repr=False)
     last_planned: float | None = None  # when a plan last took it (the scheduler's clock), for the watchdog
+    last_output_time: float | None = None  # when its latest output with tokens was made (the engine's)
 
     def __post_init__(self) -> None:
         if self.params.penalizes_repeats:

@@ -72,10 +72,11 @@ class ReplicaEngine(AsyncEngine):
 
     draining = False
 
-    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None) -> _Started:
+    async def add(self, submission: Submission, tier: str = "standard", request_id: str | None = None,
+                  tab: object | None = None) -> _Started:
         if self.draining:
             raise ReplicaDraining(tier)
-        stream = await super().add(submission, tier, request_id)
+        stream = await super().add(submission, tier, request_id, tab)
         try:
             first = await stream.__anext__()
         except EngineDeadError as e:

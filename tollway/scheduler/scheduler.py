@@ -62,8 +62,7 @@ class Scheduler:
 
     # ---- requests in and out ------------------------------------------------------------
 
-    def max_len(self, tier: str) -> int:
-        """Longest request (prompt + output) a tier can run."""
+    def max_len(self, tier: str) -> int:  # longest request (prompt + output) a tier can run
         return self.capacity.max_len(tier)
 
     def add(self, request: Request) -> None:
@@ -91,8 +90,7 @@ class Scheduler:
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish a waiting or running request from outside a step (an abort) and free its
         blocks. Returns it, or None if no unfinished request has this id."""
-        entry = self._entries.get(request_id)
-        request = entry.request if entry is not None else None
+        request = self.get(request_id)
         if request is not None:
             self.groups.before_finish(request)
             self._finish(request, reason)

@@ -66,7 +66,6 @@ class Metrics:
                                 ["model_name"], registry=r)
         self.steps_paused = Counter("tollway:steps_paused", "Steps stopped between layers for a fast arrival.",
                                     ["model_name"], registry=r)
-        self._last_token: dict[str, float] = {}
         self._children: dict[tuple, object] = {}  # (metric, labels) -> its labelled child
         self._pending: deque[StepReport] = deque()  # not yet counted
         self._folding = threading.Lock()
@@ -120,7 +119,7 @@ class Metrics:
         n = len(out.new_token_ids)
         if n:
             of(self.generation_tokens, *labels).inc(n)
-            last = self._last_token.get(out.request_id)
+            last = out.previous_token_time
             if last is None:
                 of(self.ttft, *labels).observe(out.first_token_time - out.arrival_time)
                 of(self.queue, *labels).observe(out.first_scheduled_time - out.arrival_time)
@@ -130,9 +129,7 @@ class Metrics:
                 itl = of(self.itl, *labels)
                 for _ in range(n):  # accepted drafts arrive together: they share the gap
                     itl.observe((out.time - last) / n)
-            self._last_token[out.request_id] = out.time
         if out.finished:
-            self._last_token.pop(out.request_id, None)
             if out.finish_reason != "abort":
                 of(self.e2e, *labels).observe(out.time - out.arrival_time)
                 of(self.prompt_tokens, *labels).inc(len(out.prompt_token_ids))
