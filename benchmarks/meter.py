@@ -26,6 +26,7 @@ from tollway.engine import Engine  # noqa: E402
 from tollway.meter.ledger import Ledger  # noqa: E402
 from tollway.meter.meter import Meter  # noqa: E402
 from tollway.meter.price_card import PriceCard  # noqa: E402
+from tollway.meter.tab import Tab  # noqa: E402
 from tollway.model.weights import load_weights  # noqa: E402
 from tollway.request import SamplingParams  # noqa: E402
 
@@ -41,8 +42,10 @@ def run_scenario(engine: Engine, policy: str, with_fast: bool, settings: dict, m
     prompts = iter(text_prompts(sum(counts.values()), settings["prompt_len"], len(policy) + with_fast))
     # Arrivals interleave the tiers evenly, so that under FCFS no tier is left alone at the tail.
     order = sorted(((i + 0.5) / n, tier) for tier, n in counts.items() for i in range(n))
-    tiers = {engine.add_request(next(prompts), params, tier=tier): tier for _, tier in order}
-    meter.watch(tiers)
+    tabs = {tier: [] for tier in counts}  # each request's meter tab, by its tier
+    for _, tier in order:
+        tabs[tier].append(Tab())
+        engine.submit(engine.check(next(prompts), params), tier, tab=tabs[tier][-1])
     total = sum(counts.values()) * settings["new_tokens"]
     steps = 0
     with tqdm(total=total, desc=f"{policy}{'' if with_fast else ' (no fast)'}", unit="tok", leave=False) as bar:
@@ -51,11 +54,10 @@ def run_scenario(engine: Engine, policy: str, with_fast: bool, settings: dict, m
             meter.on_step(report)
             bar.update(sum(len(o.new_token_ids) for o in report.outputs))
             steps += 1
-    seconds = {rid: meter.release([rid]) for rid in tiers}
     per_tier = {}
     for tier, n in counts.items():
         if n:
-            engine_seconds = sum(s for rid, s in seconds.items() if tiers[rid] == tier)
+            engine_seconds = sum(tab.seconds for tab in tabs[tier])
             per_tier[tier] = {"requests": n, "output_tokens": n * settings["new_tokens"], "engine_seconds": engine_seconds,
                               "cost_per_m_output": meter.cost(engine_seconds) / (n * settings["new_tokens"]) * 1e6}
     return {"steps": steps, "busy_seconds": meter.busy_seconds, "attributed_seconds": meter.attributed_seconds,
