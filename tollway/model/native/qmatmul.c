@@ -1,7 +1,7 @@
 /* The integer matmul (qmatmul.h): each call quantizes its activations, then its rows pass through
 the weights' tiles on the pool's threads, with the kernel of the weights' format and of the
 instruction set asked for. Also the entries for benchmarks: the dot-product peak and the read rate. */
-#include "qmatmul.h"
+#include "qmatmul_simd.h"
 
 
 /* One C body, compiled for each instruction set and picked at load: the same IEEE operations,

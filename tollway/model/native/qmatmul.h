@@ -65,9 +65,6 @@ benchmarks/README.md, kernel notes.
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #define QBLOCK 32
 #define SUPERBLOCK 256                  /* the K-quants' values per d */

@@ -29,7 +29,7 @@ static struct {
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__)
-    _mm_pause();
+    __builtin_ia32_pause();
 #endif
 }
 

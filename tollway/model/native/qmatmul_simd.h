@@ -5,6 +5,12 @@ read-ahead, the row switches, and the blocks of 4- and 5-bit values every nibble
 
 #include "qmatmul.h"
 
+/* Only the sources with SIMD code include the intrinsics: parsing them is a third of a small
+   source's compile. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 /* The VNNI kernels read ahead: at block b they prefetch [ahead + b * step, + step), the part of the
    weights the caller will want next (see matmul_part), into L1, and the same span FAR_PREFETCH and
    2 * FAR_PREFETCH bytes further on into L2. The L2 streams keep more lines in flight than the L1
