@@ -160,7 +160,7 @@ class AsyncEngine:
         stream ending with error(tier) raised in place of outputs; how many were refused."""
         def refuse(engine: Engine) -> int:
             queued = engine.unstarted()
-            refused = [(r.listener, error(r.tier), True) for r in queued]
+            refused = [(r.listener, error(r.tier), True) for r in queued if isinstance(r.listener, _Outlet)]
             for request in queued:
                 request.listener = None  # its stream ends with the error, not with the abort's output
                 engine.abort(request.request_id)
