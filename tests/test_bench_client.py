@@ -52,3 +52,22 @@ def test_a_server_that_closes_a_kept_alive_connection_loses_no_request():
     records, served = asyncio.run(run())
     assert [(r.error, r.error_message) for r in records] == [(None, None)] * 3
     assert [r.output_tokens for r in records] == [1, 1, 1] and len(served) == 3
+
+
+def test_tiers_are_sent_in_openai_names_that_tollway_maps_back_to_the_same_lane():
+    from typing import get_args, get_type_hints
+
+    from openai.types.chat.completion_create_params import CompletionCreateParamsBase
+
+    from tollway.server.service_tier import tier_for
+
+    openai_names = set(get_args(get_args(get_type_hints(CompletionCreateParamsBase)["service_tier"])[0]))
+    async def bodies() -> dict[str, dict]:
+        client = OpenAIClient("http://127.0.0.1:1", "m")
+        try:
+            return {tier: client.body(RequestSpec(0, tier, "hi", 1, 1)) for tier in ("fast", "standard", "batch")}
+        finally:
+            await client.close()
+
+    for tier, body in asyncio.run(bodies()).items():
+        assert body["service_tier"] in openai_names - {"fast"} and tier_for(body["service_tier"]) == tier

@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 
+from tollway.server.service_tier import WIRE_NAME
 from tollway.traffic.records import RequestRecord
 from tollway.traffic.workload import RequestSpec
 
@@ -44,7 +45,9 @@ class OpenAIClient:
 
     def body(self, spec: RequestSpec) -> dict:
         body = {"model": self.model, "max_tokens": spec.max_tokens, "stream": True, "temperature": 0.0,
-                "stream_options": {"include_usage": True}, "service_tier": spec.tier}
+                "stream_options": {"include_usage": True},
+                # OpenAI's names, which tollway takes too: OpenAI refuses "fast", "standard" and "batch"
+                "service_tier": WIRE_NAME[spec.tier]}
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension, which tollway and llama.cpp's server take too
         if self.endpoint == "chat":
