@@ -118,6 +118,11 @@ def test_serve_takes_vllm_flags():
     assert (config.kv_cache_memory, config.chat_template) == ("2GiB", "{{ messages[0].content }}")
     assert sched.max_model_len is None  # the model's, settled when it loads
     assert engine_config(_build_parser().parse_args(["serve", "--model", "/m.gguf"])).model == "/m.gguf"
+    assert sched.policy == "lanes" and sched.enable_prefix_caching
+    vllm = engine_config(_build_parser().parse_args(["serve", "--scheduling-policy", "priority",
+                                                     "--no-enable-prefix-caching"])).scheduler
+    assert (vllm.policy, vllm.enable_prefix_caching) == ("priority", False)
+    assert engine_config(_build_parser().parse_args(["serve", "--enable-prefix-caching"])).scheduler.enable_prefix_caching
 
 
 def test_chat_template_is_read_from_a_file(tmp_path):

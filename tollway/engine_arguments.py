@@ -26,7 +26,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: 2048 blocks of 16 tokens")
     parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                         help="a Jinja chat template, as a file or inline, in place of the model's own")
-    parser.add_argument("--policy", choices=POLICIES)
+    # vLLM's name too: its fcfs and priority policies are tollway's of those names
+    parser.add_argument("--policy", "--scheduling-policy", dest="policy", choices=POLICIES)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        help="reuse the KV of a prompt's cached prefix (default: on)")
     parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
     parser.add_argument("--standard-tpot-slo", type=float, metavar="SECONDS", help="the standard lane's p99 TPOT SLO")
 
@@ -43,6 +46,7 @@ def engine_config(args) -> EngineConfig:
                                 (args.max_model_len, sched, "max_model_len"), (args.policy, sched, "policy"),
                                 (args.max_num_seqs, sched, "max_num_seqs"),
                                 (args.max_num_batched_tokens, sched, "max_num_batched_tokens"),
+                                (args.enable_prefix_caching, sched, "enable_prefix_caching"),
                                 (args.kv_cache_memory, config, "kv_cache_memory"),
                                 (chat_template(args.chat_template), config, "chat_template"),
                                 (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
