@@ -59,6 +59,7 @@ class Fleet:
         self.router = Router([])
         self.metrics = FleetMetrics(self.router)
         self.handle = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the ingress's, where the request router must run
         self._ray = None
         self._own_ray = False
         self._deployed = False  # the application is (being) deployed: shutdown deletes it
@@ -112,10 +113,10 @@ class Fleet:
         reported."""
         from ray import serve
 
-        self.handle = serve.get_deployment_handle(Replica.__name__, APP)
-        # The router runs on the caller's loop, not on a thread of Serve's: the policy's state
-        # then has one writer, and the ingress's waits wake on their own loop.
-        self.handle._init(_run_router_in_separate_loop=False)
+        self.loop = asyncio.get_running_loop()
+        # options() starts the handle's request router now, on this loop: the replicas' reports
+        # reach the policy before the first call.
+        self.handle = serve.get_deployment_handle(Replica.__name__, APP).options()
         deadline = asyncio.get_running_loop().time() + FIRST_REPORT_SECONDS
         while len(self.router.replicas) < self.size:
             if asyncio.get_running_loop().time() > deadline:

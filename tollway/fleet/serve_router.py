@@ -15,6 +15,8 @@ replacement joins as a new index once running.
 """
 from __future__ import annotations
 
+import asyncio
+
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tollway.fleet.fleet import Fleet
@@ -25,6 +27,9 @@ from tollway.fleet.router import ReplicaState, RoutingHint
 class TierRequestRouter(RequestRouter):
     def initialize_state(self, fleet: str) -> None:
         self.fleet = Fleet.serving[fleet]
+        if asyncio.get_running_loop() is not self.fleet.loop:
+            raise RuntimeError("Serve runs the request router on a loop of its own: ray.serve was imported "
+                               "before tollway.fleet set RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0")
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
