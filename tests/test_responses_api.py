@@ -127,6 +127,20 @@ def test_a_required_tool_makes_a_function_call_and_its_output_is_answered(alice)
     assert follow.output[0].type == "message" and follow.output_text
 
 
+def test_a_kept_function_call_is_continued_with_its_output(alice):
+    asked = alice.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
+                                   max_output_tokens=60, temperature=0)
+    call = asked.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 25 C"}
+    answer = alice.responses.create(model=MODEL, previous_response_id=asked.id, input=[result], tools=[WEATHER],
+                                    tool_choice="none", max_output_tokens=12, temperature=0)
+    # the same as sending the whole conversation, the call included, as items
+    whole = alice.responses.create(model=MODEL, input=[{"role": "user", "content": ASK},
+                                                       call.model_dump(exclude_none=True), result],
+                                   tools=[WEATHER], tool_choice="none", max_output_tokens=12, temperature=0)
+    assert answer.output_text == whole.output_text != ""
+
+
 def test_a_named_tool_streams_its_arguments(alice):
     with alice.responses.stream(model=MODEL, input="What time is it in Berlin?", tools=[WEATHER, TIME],
                                 tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=30) as stream:
@@ -184,6 +198,8 @@ def test_store_false_is_not_kept(alice):
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"service_tier": "gold"}, "service_tier"),
+    ({"input": ["not an item"]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "no call_id"}]}, "input"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(alice, body, param):
     with pytest.raises(openai.BadRequestError) as e:

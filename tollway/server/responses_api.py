@@ -23,7 +23,7 @@ from tollway.server.keep_alive import with_keep_alive
 from tollway.server.keys import owner_of
 from tollway.server.responses import chunk_choice
 from tollway.server.responses_output import (OutputItems, message_delta, named_event, response_object,
-                                             response_usage, status_of)
+                                             response_usage, item_status, status_of)
 from tollway.server.responses_protocol import ResponsesRequest
 from tollway.server.responses_translation import chat_request, renamed
 from tollway.server.service import Service, caller, service
@@ -67,7 +67,7 @@ class _Turn:
 
     def __init__(self, svc: Service, req: ResponsesRequest, gen: Generation, conversation: list[dict], owner: str):
         self.svc, self.req, self.gen, self.conversation, self.owner = svc, req, gen, conversation, owner
-        # the call's own id, so the ledger's row and the response name the same call
+        # the call's id under the Responses API's prefix: its ledger row is chatcmpl-<the same>
         self.id = "resp_" + gen.id.partition("-")[2]
         self.stored = req.store and svc.responses is not None
 
@@ -75,10 +75,10 @@ class _Turn:
         return response_object(self.id, self.gen.created, self.req, self.gen.model, WIRE_NAME[self.gen.tier],
                                self.stored, status, output, usage)
 
-    async def finish(self, items: OutputItems, finish_reason: str | None) -> dict:
+    async def finish(self, items: OutputItems, status: str) -> dict:
         """The finished response, kept if it is to be (before the client hears it is done, so
         that it can be continued at once)."""
-        body = self.body(status_of(finish_reason), items.items, response_usage(self.gen.usage()))
+        body = self.body(status, items.items, response_usage(self.gen.usage()))
         if self.stored:
             reply = _reply_message(items.items)
             await asyncio.to_thread(self.svc.responses.put, body, self.conversation + [reply], self.owner)
@@ -118,8 +118,9 @@ async def _respond(svc: Service, req: ResponsesRequest, key: KeySpec | None, tag
     items = OutputItems()
     choice = chat_body["choices"][0]
     items.add(message_delta(choice["message"]))
-    items.finish(status_of(choice["finish_reason"]))
-    body = await turn.finish(items, choice["finish_reason"])
+    status = status_of(choice["finish_reason"])
+    items.finish(item_status(status))
+    body = await turn.finish(items, status)
     if svc.meter is not None:
         headers["x-tollway-cost"] = f"{body['usage']['cost']:.10f}"
     if timing_asked:
@@ -145,10 +146,12 @@ async def _events(turn: _Turn) -> AsyncIterator[str]:
             for event in items.add(chunk["delta"]):
                 yield numbered(event)
         await svc.settle(gen)
-        for event in items.finish(status_of(finish_reason)):
+        status = status_of(finish_reason)
+        for event in items.finish(item_status(status)):
             yield numbered(event)
-        body = await turn.finish(items, finish_reason)
-        done = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        body = await turn.finish(items, status)
+        # OpenAI's stream has no event for a cancelled response: it is not complete
+        done = "response.completed" if status == "completed" else "response.incomplete"
         yield numbered({"type": done, "response": body})
     except APIError as e:  # too late for a status code: the error goes in the stream
         yield numbered({"type": "error", "code": e.code, "message": e.message, "param": e.param})

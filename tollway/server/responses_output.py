@@ -55,7 +55,7 @@ class OutputItems:
         return events
 
     def finish(self, status: str) -> list[dict]:
-        """Close the last item: the output has ended, "completed" or "incomplete"."""
+        """Close the last item with `status` ("completed" or "incomplete"): the output has ended."""
         if self._open is None:
             return []
         index, item = self._open, self.items[self._open]
@@ -92,8 +92,14 @@ def message_delta(message: dict) -> dict:
 
 
 def status_of(finish_reason: str | None) -> str:
-    """The response's (and its last item's) status from its chat finish_reason."""
-    return "incomplete" if finish_reason == "length" else "completed"
+    """The response's status from its chat finish_reason: "incomplete" where max_output_tokens
+    cut it, "cancelled" where it was aborted."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason, "completed")
+
+
+def item_status(status: str) -> str:
+    """The last output item's status at the response's end."""
+    return "completed" if status == "completed" else "incomplete"
 
 
 def response_usage(usage: dict) -> dict:

@@ -42,8 +42,7 @@ class ResponsesRequest(BaseModel):
 
     model: Name | None = None
     # a string (one user message) or a list of items: messages, function_call, function_call_output
-    input: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)] | \
-        Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    input: str | list[Any] | None = None
     instructions: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -89,6 +88,8 @@ class ResponsesRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _bounded(cls, value):
-        if isinstance(value, list) and sum(len(str(item)) for item in value) > MAX_TEXT_CHARS:
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} items, got {len(value)}")
+        if len(value if isinstance(value, str) else str(value or "")) > MAX_TEXT_CHARS:
             raise ValueError(f"the input holds more than {MAX_TEXT_CHARS} characters in all")
         return value

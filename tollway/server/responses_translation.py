@@ -64,6 +64,8 @@ def input_messages(items: str | list[dict] | None) -> list[dict]:
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise APIError(400, f"input[{i}] must be an item (an object)", param="input")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
