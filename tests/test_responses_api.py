@@ -11,6 +11,8 @@ from pydantic import BaseModel
 
 from tollway.config import KeySpec
 from tollway.server.keys import Gatekeeper
+from tollway.server.responses_output import OutputItems
+from tollway.server.responses_translation import input_messages
 
 from live_server import MODEL, make_meter, running_server
 
@@ -21,6 +23,38 @@ TIME = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}
 ASK = "What is the weather in Paris for the next 3 days?"
+
+
+def test_function_calls_and_outputs_become_chat_tool_calls_and_tool_messages():
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone":"UTC"}'}
+    messages = input_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "Time?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call, {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "12:00"}]}])
+    assert messages[0] == {"role": "user", "content": "Time?"}
+    assert messages[1]["content"] == "Let me look." and [c["id"] for c in messages[1]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone":"UTC"}'}
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    assert len(messages) == 3
+
+
+def test_output_items_close_each_item_before_the_next_opens():
+    items = OutputItems()
+    events = items.add({"content": "Hm"}) + items.add({"content": "."})
+    events += items.add({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{"}}]})
+    events += items.add({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}) + items.finish("completed")
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done"]
+    assert [e["output_index"] for e in events] == [0] * 7 + [1] * 5
+    message, call = items.items
+    assert message["content"][0]["text"] == "Hm." and message["status"] == "completed"
+    assert call == {"id": call["id"], "type": "function_call", "status": "completed", "call_id": "call_1", "name": "f",
+                    "arguments": "{}"}
+    assert events[0]["item"]["content"] == [] and events[7]["item"]["arguments"] == ""  # as they were when added
 
 
 @pytest.fixture(scope="module")

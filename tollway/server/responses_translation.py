@@ -17,7 +17,7 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 # chat's parameters -> the Responses fields they come from
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text", "stream_options": "stream"}
+           "response_format": "text"}
 _RENAMED_WORDS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                   "max_tokens": "max_output_tokens", "the messages": "the input"}
 
@@ -34,12 +34,9 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
                             "parallel_tool_calls": req.parallel_tool_calls,
                             "response_format": response_format(req.text), "service_tier": req.service_tier,
                             "metadata": req.metadata, "user": req.user, "safety_identifier": req.safety_identifier,
-                            "prompt_cache_key": req.prompt_cache_key, "stream": req.stream}
-    if req.temperature is not None:
-        body["temperature"] = req.temperature
-    if req.top_p is not None:
-        body["top_p"] = req.top_p
-    try:
+                            "prompt_cache_key": req.prompt_cache_key, "stream": req.stream,
+                            "temperature": req.temperature, "top_p": req.top_p}
+    try:  # what is not given keeps chat's default
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), turn
     except ValidationError as e:
         first = e.errors()[0]
