@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from tollway.storage.database import Database
 
@@ -24,13 +25,13 @@ CREATE INDEX IF NOT EXISTS responses_created ON responses(created);
 
 
 class ResponseStore:
-    def __init__(self, database: Database):
-        self.database = database
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time):
+        self.database, self.clock = database, clock
         self.database.create_schema(_SCHEMA)
 
     def put(self, body: dict, conversation: list[dict], owner: str) -> None:
         """Keep a finished response; those past their 30 days go in the same transaction."""
-        now = time.time()
+        now = self.clock()
         with self.database.transaction() as db:
             db.execute("DELETE FROM responses WHERE created < ?", (now - RETENTION_SECONDS,))
             db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
