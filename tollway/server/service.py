@@ -26,6 +26,7 @@ from tollway.server.keep_alive import DEFAULT_INTERVAL
 from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
+from tollway.server.response_store import ResponseStore
 from tollway.server.responses import final_choice
 from tollway.server.tracing import Tracing
 from tollway.server.validation import CheckedCall, batch_line, validate
@@ -73,6 +74,8 @@ class Service:
         self.batch_store = BatchStore(batch_dir) if batch_dir is not None else None
         self.batch_runner = BatchRunner(self.batch_store, self.complete_in_batch_lane) \
             if self.batch_store is not None else None
+        # the Responses API's kept responses, beside the ledger (None without one: none kept)
+        self.responses = ResponseStore(meter.ledger.database) if meter is not None else None
         self._settling: set[asyncio.Task] = set()  # ended calls' ledger rows and timings, being written
 
     def validate(self, req, tags_header: str | None = None) -> CheckedCall:

@@ -1,0 +1,241 @@
+"""The Responses API (POST/GET/DELETE /v1/responses) through the openai client on a live,
+metered server with two keys: a response is the chat completion it translates to, its stream
+parses in client.responses.stream, and kept responses continue and stay with their key."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tollway.config import KeySpec
+from tollway.server.keys import Gatekeeper
+from tollway.server.responses_output import OutputItems
+from tollway.server.responses_translation import input_messages
+
+from live_server import MODEL, make_meter, running_server
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}
+ASK = "What is the weather in Paris for the next 3 days?"
+
+
+def test_function_calls_and_outputs_become_chat_tool_calls_and_tool_messages():
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone":"UTC"}'}
+    messages = input_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "Time?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call, {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "12:00"}]}])
+    assert messages[0] == {"role": "user", "content": "Time?"}
+    assert messages[1]["content"] == "Let me look." and [c["id"] for c in messages[1]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone":"UTC"}'}
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    assert len(messages) == 3
+
+
+def test_output_items_close_each_item_before_the_next_opens():
+    items = OutputItems()
+    events = items.add({"content": "Hm"}) + items.add({"content": "."})
+    events += items.add({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{"}}]})
+    events += items.add({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}) + items.finish("completed")
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done"]
+    assert [e["output_index"] for e in events] == [0] * 7 + [1] * 5
+    message, call = items.items
+    assert message["content"][0]["text"] == "Hm." and message["status"] == "completed"
+    assert call == {"id": call["id"], "type": "function_call", "status": "completed", "call_id": "call_1", "name": "f",
+                    "arguments": "{}"}
+    assert events[0]["item"]["content"] == [] and events[7]["item"]["arguments"] == ""  # as they were when added
+
+
+@pytest.fixture(scope="module")
+def server(make_engine, tmp_path_factory):
+    meter = make_meter(tmp_path_factory.mktemp("responses") / "ledger.sqlite")
+    keys = Gatekeeper([KeySpec("sk-alice", "alice"), KeySpec("sk-bob", "bob")])
+    yield from running_server(make_engine(kernel="int8", num_blocks=256), gatekeeper=keys, meter=meter)
+
+
+@pytest.fixture(scope="module")
+def alice(server):
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="sk-alice", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="sk-bob", max_retries=0) as client:
+        yield client
+
+
+def _chat_text(client, messages, **params) -> str:
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **params)
+    return reply.choices[0].message.content
+
+
+def test_a_string_input_is_answered_with_usage_and_cost(alice):
+    r = alice.responses.create(model=MODEL, input="Write a short poem about the sea.", max_output_tokens=5,
+                               temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output[0].status == "incomplete" and r.output_text
+    usage = r.usage
+    assert usage.output_tokens == 5 and usage.input_tokens > 5
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.model_extra["cost"] > 0 and usage.model_extra["engine_seconds"] > 0
+    assert r.service_tier == "default" and r.store is True
+    # the same as the chat completion of that one user message
+    assert r.output_text == _chat_text(alice, [{"role": "user", "content": "Write a short poem about the sea."}],
+                                       max_completion_tokens=5)
+
+
+def test_items_and_instructions_are_the_chat_messages_they_stand_for(alice):
+    items = [{"role": "user", "content": "Hi, I am Ada."},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello Ada!"}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "What is my name? "},
+                                          {"type": "input_text", "text": "Answer in one word."}]}]
+    r = alice.responses.create(model=MODEL, input=items, instructions="You are terse.", max_output_tokens=12,
+                               temperature=0)
+    assert r.instructions == "You are terse."
+    assert r.output_text == _chat_text(alice, [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi, I am Ada."},
+        {"role": "assistant", "content": "Hello Ada!"},
+        {"role": "user", "content": "What is my name? Answer in one word."}], max_completion_tokens=12)
+
+
+def test_the_stream_parses_and_ends_with_the_greedy_text(alice):
+    whole = alice.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=16, temperature=0)
+    with alice.responses.stream(model=MODEL, input="Name three colours.", max_output_tokens=16,
+                                temperature=0) as stream:
+        events = list(stream)
+        # as OpenAI's, a response cut by max_output_tokens ends in response.incomplete, which the
+        # client's get_final_response does not take
+        final = stream.get_final_response() if whole.status == "completed" else events[-1].response
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if whole.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text != ""
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.id == events[0].response.id and final.id != whole.id
+
+
+class City(BaseModel):  # strings: an unbounded integer is one this model writes digits into until cut
+    name: str
+    country: str
+
+
+def test_text_format_json_schema_gives_json_of_the_schema(alice):
+    question = "Describe the city of Paris as JSON."
+    r = alice.responses.parse(model=MODEL, input=question, text_format=City, max_output_tokens=120, temperature=0)
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "City"
+    assert json.loads(r.output_text) == r.output_parsed.model_dump()
+    anything = alice.responses.create(model=MODEL, input=question, text={"format": {"type": "json_object"}},
+                                      max_output_tokens=120, temperature=0)
+    assert anything.status == "completed" and isinstance(json.loads(anything.output_text), dict)
+
+
+def test_a_required_tool_makes_a_function_call_and_its_output_is_answered(alice):
+    r = alice.responses.create(model=MODEL, input=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                               max_output_tokens=60)
+    call = r.output[0]
+    assert len(r.output) == 1 and call.type == "function_call" and call.status == "completed"
+    assert call.name in ("get_weather", "get_time") and call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments), dict)
+    follow = alice.responses.create(model=MODEL, input=[
+        {"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}],
+        tools=[WEATHER, TIME], tool_choice="none", max_output_tokens=12, temperature=0)
+    assert follow.output[0].type == "message" and follow.output_text
+
+
+def test_a_kept_function_call_is_continued_with_its_output(alice):
+    asked = alice.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
+                                   max_output_tokens=60, temperature=0)
+    call = asked.output[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 25 C"}
+    answer = alice.responses.create(model=MODEL, previous_response_id=asked.id, input=[result], tools=[WEATHER],
+                                    tool_choice="none", max_output_tokens=12, temperature=0)
+    # the same as sending the whole conversation, the call included, as items
+    whole = alice.responses.create(model=MODEL, input=[{"role": "user", "content": ASK},
+                                                       call.model_dump(exclude_none=True), result],
+                                   tools=[WEATHER], tool_choice="none", max_output_tokens=12, temperature=0)
+    assert answer.output_text == whole.output_text != ""
+
+
+def test_a_named_tool_streams_its_arguments(alice):
+    with alice.responses.stream(model=MODEL, input="What time is it in Berlin?", tools=[WEATHER, TIME],
+                                tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=30) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    call = final.output[0]
+    assert call.type == "function_call" and call.name == "get_time"
+    assert json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == call.arguments
+
+
+def test_previous_response_id_continues_the_conversation_of_its_key_only(alice, bob):
+    first = alice.responses.create(model=MODEL, input="My name is Ada.", instructions="Be brief.",
+                                   max_output_tokens=8, temperature=0)
+    second = alice.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                    max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    # instructions are not carried over, as OpenAI's
+    assert second.output_text == _chat_text(alice, [
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}], max_completion_tokens=8)
+    assert alice.responses.retrieve(second.id).output_text == second.output_text
+    for client, response_id in ((bob, first.id), (alice, "resp_unknown")):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.create(model=MODEL, input="And now?", previous_response_id=response_id)
+        assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+    alice.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(first.id)
+
+
+def test_store_false_is_not_kept(alice):
+    r = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.create(model=MODEL, input="Again", previous_response_id=r.id)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"background": True}, "background"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text"),  # no name
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"service_tier": "gold"}, "service_tier"),
+    ({"input": ["not an item"]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "no call_id"}]}, "input"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(alice, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        alice.responses.create(model=MODEL, input="Hi", extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
