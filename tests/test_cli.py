@@ -189,3 +189,13 @@ def test_serve_like_vllm(tmp_path):
         output, _ = proc.communicate(timeout=30)
     assert '"GET /v1/models HTTP/1.1" 200' in output
     assert "sk-from-env" not in output
+
+
+@pytest.mark.parametrize("command", [["bench", "--url", "http://127.0.0.1:1"], ["simulate"], ["report", "a.json"]])
+def test_bench_commands_without_the_bench_extra_name_it(monkeypatch, capsys, command):
+    from tollway.cli import main
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich now fails, as where the extra is not installed
+    assert main(command) == 2
+    assert capsys.readouterr().err == (f"tollway: error: tollway {command[0]} needs the bench extra (rich missing): "
+                                       "pip install 'tollway[bench]'\n")

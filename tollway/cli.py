@@ -12,6 +12,7 @@ from platformdirs import user_data_dir
 
 from tollway import profile_command
 from tollway.bench import cli as bench_cli
+from tollway.bench_extra import COMMANDS, check_bench_extra
 from tollway.config import TIERS, EngineConfig, KeySpec, ServerConfig, load_server_config
 from tollway.engine_arguments import add_engine_arguments, engine_config
 from tollway.meter.ledger import GROUPS
@@ -328,6 +329,8 @@ def _is_loopback(host: str, ipaddress) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
+        if args.command in COMMANDS or (args.command == "report" and args.files):
+            check_bench_extra(args.command)
         commands = {"serve": _serve, "keys": _keys, "generate": _generate, "usage": _usage, "report": _report,
                     "bench": bench_cli.bench_main, "compare": bench_cli.compare_main, "profile": profile_command.profile_main,
                     "simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main,
