@@ -60,6 +60,8 @@ def chat_template(value: str | None) -> str | None:
     a template that does not parse is one line now rather than an error on every chat request."""
     import jinja2
 
+    from tollway.text.chat_template import check_syntax
+
     if value is None:
         return None
     path = Path(value)
@@ -68,7 +70,7 @@ def chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template: no such file {value} (inline templates contain {{%, {{{{ or {{#)")
     text = path.read_text() if is_file else value
     try:
-        jinja2.Environment().parse(text)
+        check_syntax(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from None
     return text
