@@ -56,18 +56,19 @@ def test_none_and_no_tools_generate_text():
     assert tool_calling(chat(tools=[WEATHER], tool_choice="none"), False) == (None, None)
 
 
-def _read(calling: ToolCalling, output: str, complete: bool = True) -> tuple[ToolCallReader, list[dict]]:
+def _read(calling: ToolCalling, output: str) -> tuple[ToolCallReader, list[dict]]:
     """The output streamed a character at a time."""
     reader = ToolCallReader(calling)
-    deltas = [reader.push(ch, i == len(output) - 1, complete) for i, ch in enumerate(output)]
+    deltas = [reader.push(ch, i == len(output) - 1) for i, ch in enumerate(output)]
     return reader, [d for d in deltas if d]
 
 
 def test_a_wrapped_call_streams_its_name_then_its_arguments():
     args = '{"city":"Paris","days":3}'
-    reader, deltas = _read(ToolCalling(None, False), '{"name":"get_weather","arguments":' + args + "}")
+    reader, deltas = _read(ToolCalling(None), '{"name":"get_weather","arguments":' + args + "}")
     first = deltas[0]["tool_calls"][0]
-    assert first["id"] == reader.id and first["type"] == "function" and first["function"]["name"] == "get_weather"
+    assert first["id"] == reader.calls[0]["id"] and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather"
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == args
     assert all("id" not in d["tool_calls"][0] for d in deltas[1:])
     assert reader.message()["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": args}
@@ -75,21 +76,21 @@ def test_a_wrapped_call_streams_its_name_then_its_arguments():
 
 
 def test_a_named_functions_output_is_its_arguments():
-    reader, deltas = _read(ToolCalling("get_weather", False), '{"city":"Oslo","days":1}')
+    reader, deltas = _read(ToolCalling("get_weather"), '{"city":"Oslo","days":1}')
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert reader.arguments == '{"city":"Oslo","days":1}'
+    assert reader.calls[0]["function"]["arguments"] == '{"city":"Oslo","days":1}'
 
 
 def test_auto_reads_text_as_text_and_a_cut_call_as_what_it_was():
-    reader, deltas = _read(ToolCalling(None, True), "It is sunny.")
+    reader, deltas = _read(ToolCalling(None), "It is sunny.")
     assert "".join(d["content"] for d in deltas) == "It is sunny." and finish_reason(reader, "stop") == "stop"
     assert reader.message() == {"role": "assistant", "content": "It is sunny."}
     # cut by max_tokens inside the call's head: no call to show, the text as it came
-    reader, _ = _read(ToolCalling(None, False), '{"name":"get_w', complete=False)
+    reader, _ = _read(ToolCalling(None), '{"name":"get_w')
     assert not reader.called and reader.message()["content"] == '{"name":"get_w'
     # cut inside the arguments: the call, with what its arguments got to
-    reader, _ = _read(ToolCalling(None, False), '{"name":"get_weather","arguments":{"city":"Pa', complete=False)
-    assert reader.arguments == '{"city":"Pa' and finish_reason(reader, "length") == "length"
+    reader, _ = _read(ToolCalling(None), '{"name":"get_weather","arguments":{"city":"Pa')
+    assert reader.calls[0]["function"]["arguments"] == '{"city":"Pa' and finish_reason(reader, "length") == "length"
 
 
 def test_calls_and_results_go_back_through_a_template_without_tools(default_tokenizer):
@@ -108,7 +109,9 @@ def test_calls_and_results_go_back_through_a_template_without_tools(default_toke
     assert "sunny, 21C" in turns[3]["content"] and "rain on day 3" in turns[3]["content"]
     prompt = default_tokenizer.apply_chat_template(turns)  # Gemma's template: roles alternate
     assert "sunny, 21C" in prompt and prompt.endswith("<start_of_turn>model\n")
-    assert conversation(messages, [WEATHER], renders_tools=True) is messages
+    # a template that renders tools gets the messages, the calls' arguments as objects (as transformers' are)
+    given = conversation(messages, [WEATHER], renders_tools=True)
+    assert given[3:] == messages[3:] and given[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
 
 
 def test_auto_with_a_template_that_renders_tools(make_engine, default_weights):
@@ -122,18 +125,19 @@ def test_auto_with_a_template_that_renders_tools(make_engine, default_weights):
     for name, bias in (("call", 100), ("text", -100)):
         sub = validate(chat(tools=[WEATHER, TIME], logit_bias={str(brace): bias}, temperature=0, max_tokens=60),
                        MODEL, tokenizer, engine.model_config.vocab_size, 4096)
-        assert sub.tools == ToolCalling(None, True)
+        assert sub.tools == ToolCalling(None)  # its template teaches no syntax: a grammar makes the calls
         assert "get_weather" in tokenizer.decode(sub.prompts[0])  # the template showed the tools
         engine.add_request(sub.prompts[0], sub.params[0], request_id=name)
     while engine.has_unfinished():
         for out in engine.step().outputs:
             if out.finished:
                 outputs[out.request_id] = out
-    reader = ToolCallReader(ToolCalling(None, True))
-    reader.push(outputs["call"].text, True, outputs["call"].finish_reason == "stop")
-    assert reader.called and reader.name in ("get_weather", "get_time")
+    reader = ToolCallReader(ToolCalling(None))
+    reader.push(outputs["call"].text, True)
+    assert reader.called and all(c["function"]["name"] in ("get_weather", "get_time") for c in reader.calls)
     if outputs["call"].finish_reason == "stop":
-        json.loads(reader.arguments)
+        for c in reader.calls:
+            json.loads(c["function"]["arguments"])
     assert not outputs["text"].text.startswith("{")
 
 

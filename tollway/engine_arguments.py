@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from tollway.config import KERNELS, KV_CACHE_DTYPES, POLICIES, EngineConfig, load_config, memory_budget
+from tollway.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: 2048 blocks of 16 tokens")
     parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                         help="a Jinja chat template, as a file or inline, in place of the model's own")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="the syntax the model writes tool calls in, read from its replies under tool_choice "
+                             "auto (constrained: a grammar writes them); default: the one its chat template teaches, "
+                             "else constrained")
     parser.add_argument("--policy", choices=POLICIES)
     parser.add_argument("--fast-tpot-target", type=float, metavar="SECONDS", help="the fast lane's per-token target")
     parser.add_argument("--standard-tpot-slo", type=float, metavar="SECONDS", help="the standard lane's p99 TPOT SLO")
@@ -45,11 +50,14 @@ def engine_config(args) -> EngineConfig:
                                 (args.max_num_batched_tokens, sched, "max_num_batched_tokens"),
                                 (args.kv_cache_memory, config, "kv_cache_memory"),
                                 (chat_template(args.chat_template), config, "chat_template"),
+                                (args.tool_call_parser, config, "tool_call_parser"),
                                 (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
                                 (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):
         if value is not None:
             setattr(target, name, value)
     sched.validate()
+    if config.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {config.tool_call_parser!r}")
     if config.kv_cache_memory is not None:
         memory_budget(config.kv_cache_memory, 1)  # refused here, before the model loads
     return config

@@ -76,7 +76,8 @@ class Service:
         self._settling: set[asyncio.Task] = set()  # ended calls' ledger rows and timings, being written
 
     def validate(self, req, tags_header: str | None = None) -> CheckedCall:
-        return validate(req, self.model_name, self.tokenizer, self.vocab_size, self.max_model_len, tags_header)
+        return validate(req, self.model_name, self.tokenizer, self.vocab_size, self.max_model_len, tags_header,
+                        self.engine.tool_call_parser)
 
     async def start(self, sub: CheckedCall, tier: str, key: KeySpec | None, call: str | None,
                     owner: str | None = None, canary_eligible: bool = False,
