@@ -7,6 +7,7 @@ import json
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tollway.request import SamplingParams
 from tollway.server.errors import APIError
@@ -192,3 +193,93 @@ def test_auto_on_a_template_without_tools_is_a_400_naming_tool_choice(server):  
 def test_sampling_params_carry_the_grammar(default_tokenizer):
     sub = validate(chat(tools=[WEATHER], tool_choice="required", n=2), MODEL, default_tokenizer, 262144, 4096)
     assert all(isinstance(p, SamplingParams) and p.grammar and p.grammar == sub.params[0].grammar for p in sub.params)
+
+
+# Gemma's turns teaching Hermes' call syntax, as Qwen's template teaches it.
+HERMES_TEMPLATE = """{{ bos_token }}{% if tools %}<start_of_turn>user
+You may call functions. Their signatures, within <tools></tools> tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+For each call, answer with a JSON object with the function's name and arguments within <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><end_of_turn>
+{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<start_of_turn>user
+<tool_response>
+{{ m.content }}
+</tool_response><end_of_turn>
+{% elif m.role == 'assistant' %}<start_of_turn>model
+{{ m.content or '' }}{% for c in m.tool_calls or [] %}{{ '\\n' if not loop.first }}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<end_of_turn>
+{% else %}<start_of_turn>{{ m.role }}
+{{ m.content }}<end_of_turn>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+PARIS = {"role": "user", "content": "What is the weather in Paris for 3 days, and the time in CET?"}
+CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+# Asked the same three times and answered with the same two calls: the model (greedy) writes them
+# again, in the template's syntax, unconstrained: which is how a tool-trained model calls.
+REPEATED = [PARIS, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    for i, (name, args) in enumerate(CALLS)]}] * 3 + [PARIS]
+
+
+@pytest.fixture(scope="module")
+def hermes_server(default_weights):
+    from tollway.config import EngineConfig, SchedulerConfig
+    from tollway.engine import Engine
+
+    from live_server import running_server
+
+    engine = Engine(EngineConfig(chat_template=HERMES_TEMPLATE, profile_steps=False,
+                                 scheduler=SchedulerConfig(kernel="int8", num_blocks=128)),
+                    progress=False, loaded=default_weights)
+    yield from running_server(engine)
+
+
+def _the_calls_text(tokenizer) -> int:
+    """Tokens of the two calls as the template writes them: max_tokens that ends the reply there
+    (this small model, having copied them, does not end its turn)."""
+    text = "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>' for n, a in CALLS)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_the_models_own_calls_come_back_as_tool_calls(hermes_server):
+    tokens = _the_calls_text(hermes_server["sync"].tokenizer)
+    kwargs = dict(model=MODEL, messages=REPEATED, tools=[WEATHER, TIME], temperature=0, max_tokens=tokens)
+    with openai.OpenAI(base_url=hermes_server["url"] + "/v1", api_key="unused", max_retries=0) as client:
+        resp = client.chat.completions.create(**kwargs)
+        message = resp.choices[0].message
+        assert message.content is None and resp.choices[0].finish_reason == "length"  # cut where the calls end
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == CALLS
+        assert len({c.id for c in message.tool_calls}) == 2 and all(c.id.startswith("call_") for c in message.tool_calls)
+        # Streamed: deltas per call (index, id and name first, then pieces of the arguments),
+        # which the client's own stream accumulator puts together into the same calls.
+        state = ChatCompletionStreamState(input_tools=kwargs["tools"])
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        for chunk in chunks:
+            state.handle_chunk(chunk)
+        final = state.current_completion_snapshot  # get_final_completion refuses a reply cut by max_tokens
+        streamed = final.choices[0].message
+        assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls]
+        assert not streamed.content and final.choices[0].finish_reason == "length"
+        deltas = [tc for chunk in chunks for ch in chunk.choices for tc in ch.delta.tool_calls or []]
+        assert {d.index for d in deltas} == {0, 1} and sum(d.id is not None for d in deltas) == 2
+        assert len(deltas) > 6  # the arguments came in pieces, not all at once
+        assert not any(ch.delta.content for chunk in chunks for ch in chunk.choices)  # no marker leaked as text
+        # parallel_tool_calls false: the first call only
+        one = client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in one.tool_calls] == CALLS[:1]
+
+
+def test_the_syntax_is_the_templates_unless_configured(default_weights):
+    tokenizer = Tokenizer.load(default_weights.tokenizer_path, chat_template=HERMES_TEMPLATE)
+    sub = validate(chat(tools=[WEATHER]), MODEL, tokenizer, 262144, 4096)
+    assert sub.tools == ToolCalling(None, "hermes") and sub.params[0].grammar is None  # the model writes freely
+    sub = validate(chat(tools=[WEATHER]), MODEL, tokenizer, 262144, 4096, tool_call_parser="constrained")
+    assert sub.tools == ToolCalling(None) and sub.params[0].grammar  # a grammar writes the call
+    sub = validate(chat(tools=[WEATHER], tool_choice="required"), MODEL, tokenizer, 262144, 4096)
+    assert sub.tools == ToolCalling(None) and sub.params[0].grammar  # required stays constrained
