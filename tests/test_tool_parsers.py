@@ -126,3 +126,21 @@ def test_a_call_cut_short_is_a_call_with_the_arguments_it_got_to():
 ])
 def test_the_syntax_is_the_one_the_template_teaches(file, syntax):
     assert native_syntax((TEMPLATES / file).read_text()) == syntax
+
+
+def test_a_marker_that_is_a_special_token_stays_in_the_text():
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    from tollway.text.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    backend = tokenizers.Tokenizer(models.WordLevel({"sure": 0, "{}": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["[TOOL_CALLS]", "</s>"])
+    tokenizer = Tokenizer(backend, eos_token="</s>")
+    ids = tokenizer.encode("sure [TOOL_CALLS] {} </s>", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "sure {}"  # special tokens are skipped...
+    tokenizer.keep_special_tokens(["[TOOL_CALLS]", "[ARGS]"])  # ...except the syntax's markers ([ARGS]: not in it)
+    assert tokenizer.decode(ids) == "sure [TOOL_CALLS] {}"
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert "".join(detokenizer.push(i) for i in ids) + detokenizer.flush() == "sure [TOOL_CALLS] {}"

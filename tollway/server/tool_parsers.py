@@ -9,6 +9,9 @@ A tool-trained model writes its calls the way its chat template taught it:
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or in newer models
   `[TOOL_CALLS]name[ARGS]{...}` per call.
 
+Where a marker is a special token of the model's vocabulary (Mistral's [TOOL_CALLS], Hermes 3's
+<tool_call>), the server has the tokenizer keep it in the text (Tokenizer.keep_special_tokens).
+
 A parser reads the whole text so far (`parse(text, final)`) and says what is settled: the content
 (text outside calls; the end of it that may still become a call marker, and trailing whitespace,
 held back until it cannot) and each call as far as it has come. What it reports only grows as the
@@ -141,6 +144,7 @@ class HermesParser:
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN, CLOSE)
 
     def parse(self, text: str, final: bool) -> Parsed:
         parsed, pos = Parsed(), 0
@@ -178,6 +182,7 @@ class JsonCallsParser:
 
     name = "llama3_json"
     TAG, SEPARATOR = "<|python_tag|>", ";"
+    markers = (TAG,)
 
     def parse(self, text: str, final: bool) -> Parsed:
         pos = _skip_space(text, 0)
@@ -210,7 +215,8 @@ class MistralParser:
     """`[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}` per call."""
 
     name = "mistral"
-    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    MARKER = "[TOOL_CALLS]"
+    markers = (MARKER, "[ARGS]", "[CALL_ID]")
     _NAMED = re.compile(f"({_NAME_CHARS}+)" + r"(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]")
     _NAMED_PREFIX = re.compile(f"{_NAME_CHARS}*" + r"(?:\[[A-Z_]*\]?[A-Za-z0-9]*)*\[?[A-Z_]*")
 

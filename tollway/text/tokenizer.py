@@ -44,6 +44,7 @@ class Tokenizer:
         self.renders_tools = self.chat_template is not None and self.chat_template.renders_tools
         self._byte_token_ids = backend.byte_token_ids
         self._special_token_ids = backend.special_token_ids
+        self._kept_special_ids: frozenset[int] = frozenset()  # special, yet in decoded text (keep_special_tokens)
 
     @classmethod
     def load(cls, path: str | Path, chat_template: str | None = None,
@@ -86,7 +87,16 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._kept_special_ids:
+            skipped = self._special_token_ids - self._kept_special_ids
+            return self._backend.decode([i for i in ids if i not in skipped], False)
         return self._backend.decode(ids, skip_special_tokens)
+
+    def keep_special_tokens(self, tokens: Iterable[str]) -> None:
+        """Decode these special tokens as text, as the others are not: the markers of the model's
+        tool-call syntax (Mistral's [TOOL_CALLS]), which the server reads calls by."""
+        ids = (self._backend.token_to_id(t) for t in tokens)
+        self._kept_special_ids = frozenset(i for i in ids if i in self._special_token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
