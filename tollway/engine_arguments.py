@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: 2048 blocks of 16 tokens")
     parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                         help="a Jinja chat template, as a file or inline, in place of the model's own")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+    parser.add_argument("--tool-call-parser", metavar="|".join(TOOL_CALL_PARSERS),
                         help="the syntax the model writes tool calls in, read from its replies under tool_choice "
                              "auto (constrained: a grammar writes them); default: the one its chat template teaches, "
                              "else constrained")
@@ -57,7 +57,8 @@ def engine_config(args) -> EngineConfig:
             setattr(target, name, value)
     sched.validate()
     if config.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {config.tool_call_parser!r}")
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {config.tool_call_parser!r}")
     if config.kv_cache_memory is not None:
         memory_budget(config.kv_cache_memory, 1)  # refused here, before the model loads
     return config
