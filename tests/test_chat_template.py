@@ -5,6 +5,8 @@ character for character with transformers' own renderer."""
 from __future__ import annotations
 
 import copy
+import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
@@ -13,8 +15,6 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from tollway.engine_arguments import chat_template as cli_chat_template
 from tollway.text.chat_template import ChatTemplate
-
-pytestmark = pytest.mark.quick
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 WEATHER = {"type": "function", "function": {
@@ -34,8 +34,6 @@ ASK = {"role": "user", "content": "Quel temps fait-il à Zürich ? 天气怎么�
 def call(name: str, arguments: dict, id: str = "call_1", as_text: bool = False) -> dict:
     """An assistant tool call; arguments as a dict (transformers' convention, and what tollway
     hands a template), or as the JSON text of OpenAI's wire format."""
-    import json
-
     return {"id": id, "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments) if as_text else arguments}}
 
@@ -98,7 +96,7 @@ def test_the_features_transformers_adds_to_jinja():
         "|{{ tools | tojson(ensure_ascii=True) }}|{{ '<b>' | tojson }}|{{ strftime_now('%Y') }}|{{ documents }}")
     out = template.render([{"role": "user", "content": "é"}, {"role": "tool", "content": "never"}], True,
                           [{"b": "ü", "a": 1}])
-    year = __import__("datetime").datetime.now().strftime("%Y")
+    year = datetime.now().strftime("%Y")
     assert out == f'é|[{{"a":1,"b":"ü"}}]|[{{"b": "\\u00fc", "a": 1}}]|"<b>"|{year}|None'
 
 

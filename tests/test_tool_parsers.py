@@ -11,8 +11,6 @@ import pytest
 from tollway.server.tool_parsers import native_syntax
 from tollway.server.tools import ToolCallReader, ToolCalling, finish_reason
 
-pytestmark = pytest.mark.quick
-
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 WEATHER = ("get_weather", {"city": "Zürich", "days": 2})
 TIME = ("get_time", {"zone": "CET"})
