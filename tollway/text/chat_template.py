@@ -39,7 +39,7 @@ class ChatTemplate:
         chat_template_kwargs), which cannot replace the messages, tools or add_generation_prompt.
         ValueError for what the template refuses (raise_exception)."""
         try:
-            return self._template.render({**(variables or {}), "messages": messages, "tools": tools or None,
+            return self._template.render({**(variables or {}), "messages": messages, "tools": tools,
                                           "documents": None, "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e.message}") from None
