@@ -9,6 +9,8 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from tollway.config import EngineConfig, SchedulerConfig
+from tollway.engine import Engine
 from tollway.request import SamplingParams
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest
@@ -16,7 +18,7 @@ from tollway.server.tools import ToolCallReader, ToolCalling, conversation, fini
 from tollway.server.validation import validate
 from tollway.text.tokenizer import Tokenizer
 
-from live_server import MODEL
+from live_server import MODEL, running_server
 from test_server import server  # noqa: F401 -- the shared live server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -228,11 +230,6 @@ REPEATED = [PARIS, {"role": "assistant", "content": None, "tool_calls": [
 
 @pytest.fixture(scope="module")
 def hermes_server(default_weights):
-    from tollway.config import EngineConfig, SchedulerConfig
-    from tollway.engine import Engine
-
-    from live_server import running_server
-
     engine = Engine(EngineConfig(chat_template=HERMES_TEMPLATE, profile_steps=False,
                                  scheduler=SchedulerConfig(kernel="int8", num_blocks=128)),
                     progress=False, loaded=default_weights)
