@@ -111,11 +111,12 @@ def test_serve_takes_vllm_flags():
 
     args = _build_parser().parse_args(["serve", "/models/qwen3.gguf", "--max-num-seqs", "8",
                                        "--max-num-batched-tokens", "256", "--kv-cache-memory", "2GiB",
-                                       "--chat-template", "{{ messages[0].content }}"])
+                                       "--chat-template", "{{ messages[0].content }}", "--tool-call-parser", "hermes"])
     config = engine_config(args)
     sched = config.scheduler
     assert (config.model, sched.max_num_seqs, sched.max_num_batched_tokens) == ("/models/qwen3.gguf", 8, 256)
     assert (config.kv_cache_memory, config.chat_template) == ("2GiB", "{{ messages[0].content }}")
+    assert config.tool_call_parser == "hermes"
     assert sched.max_model_len is None  # the model's, settled when it loads
     assert engine_config(_build_parser().parse_args(["serve", "--model", "/m.gguf"])).model == "/m.gguf"
     assert sched.policy == "lanes" and sched.enable_prefix_caching
@@ -139,6 +140,7 @@ def test_chat_template_is_read_from_a_file(tmp_path):
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
     (["--chat-template", "{% for m in messages %}"], "--chat-template does not parse"),
     (["a.gguf", "--model", "b.gguf"], "two models given"),
+    (["--tool-call-parser", "pythonic"], "tool_call_parser must be one of hermes, llama3_json, mistral, constrained"),
 ])
 def test_bad_serve_flag_is_one_line(tmp_path, args, message):
     result = _tollway("serve", "--data-dir", str(tmp_path), "--keys-db", str(tmp_path / "k.sqlite"), *args)

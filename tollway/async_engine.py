@@ -190,6 +190,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def tool_call_parser(self) -> str | None:
+        return self.engine.config.tool_call_parser
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 

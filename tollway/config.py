@@ -181,6 +181,10 @@ class EngineConfig:
     kv_cache_memory: str | float | None = None
     # A Jinja chat template (the text) in place of the model's own.
     chat_template: str | None = None
+    # The syntax the server reads the model's tool calls in (server/tool_parsers.py: hermes,
+    # llama3_json, mistral, or constrained: a grammar writes them). None: the one its chat
+    # template teaches, else constrained.
+    tool_call_parser: str | None = None
     # Time synthetic steps at the first start (then remembered) to seed the step-time model
     # that shapes steps under the lanes policy. Off: no time-based shaping.
     profile_steps: bool = True

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from tollway.config import KERNELS, KV_CACHE_DTYPES, POLICIES, EngineConfig, load_config, memory_budget
+from tollway.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: 2048 blocks of 16 tokens")
     parser.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                         help="a Jinja chat template, as a file or inline, in place of the model's own")
+    parser.add_argument("--tool-call-parser", metavar="|".join(TOOL_CALL_PARSERS),
+                        help="the syntax the model writes tool calls in, read from its replies under tool_choice "
+                             "auto (constrained: a grammar writes them); default: the one its chat template teaches, "
+                             "else constrained")
     # vLLM's name too: its fcfs and priority policies are tollway's of those names
     parser.add_argument("--policy", "--scheduling-policy", dest="policy", choices=POLICIES)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -49,11 +54,15 @@ def engine_config(args) -> EngineConfig:
                                 (args.enable_prefix_caching, sched, "enable_prefix_caching"),
                                 (args.kv_cache_memory, config, "kv_cache_memory"),
                                 (chat_template(args.chat_template), config, "chat_template"),
+                                (args.tool_call_parser, config, "tool_call_parser"),
                                 (args.fast_tpot_target, sched.tiers["fast"], "tpot_target"),
                                 (args.standard_tpot_slo, sched.tiers["standard"], "tpot_target")):
         if value is not None:
             setattr(target, name, value)
     sched.validate()
+    if config.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {config.tool_call_parser!r}")
     if config.kv_cache_memory is not None:
         memory_budget(config.kv_cache_memory, 1)  # refused here, before the model loads
     return config
@@ -64,6 +73,8 @@ def chat_template(value: str | None) -> str | None:
     a template that does not parse is one line now rather than an error on every chat request."""
     import jinja2
 
+    from tollway.text.chat_template import check_syntax
+
     if value is None:
         return None
     path = Path(value)
@@ -72,7 +83,7 @@ def chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template: no such file {value} (inline templates contain {{%, {{{{ or {{#)")
     text = path.read_text() if is_file else value
     try:
-        jinja2.Environment().parse(text)
+        check_syntax(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from None
     return text

@@ -32,7 +32,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
-    reader: ToolCallReader | None = None  # a stream's, where the output is read as a tool call
+    reader: ToolCallReader | None = None  # a stream's, where the output is read for tool calls
 
     def absorb(self, out: RequestOutput) -> None:
         """Fold in the engine's next output."""
@@ -66,7 +66,7 @@ class Generation:
         self.engine_seconds: float | None = None
         self.prompts: list[list[int]] = []
         self.n = 1  # choices per prompt
-        self.tools: ToolCalling | None = None  # a chat whose output is read as a tool call
+        self.tools: ToolCalling | None = None  # a chat whose output is read for tool calls
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands

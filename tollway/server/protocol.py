@@ -164,7 +164,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # a reply makes at most one call, which either value allows
+    parallel_tool_calls: bool | None = None  # false: the first of the calls a model writes (grammar-made: one)
     response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None

@@ -24,7 +24,7 @@ def final_choice(gen: Generation, c: Choice, echo: bool, tokenizer: Tokenizer) -
         message, reason = {"role": "assistant", "content": "".join(c.pieces)}, c.finish_reason
         if gen.tools is not None:
             reader = ToolCallReader(gen.tools)
-            reader.push(message["content"], True, reason == "stop")
+            reader.push(message["content"], True)
             message, reason = reader.message(), finish_reason(reader, reason)
         return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
     prefix = tokenizer.decode(c.prompt_ids) if echo else ""
@@ -43,7 +43,7 @@ def chunk_choice(gen: Generation, choice: Choice, out: RequestOutput, first: boo
             delta = {"content": text}
         else:
             choice.reader = choice.reader or ToolCallReader(gen.tools)
-            delta = choice.reader.push(text, out.finished, reason == "stop")
+            delta = choice.reader.push(text, out.finished)
             reason = finish_reason(choice.reader, reason)
         if first:
             delta["role"] = "assistant"

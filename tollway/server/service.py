@@ -28,8 +28,9 @@ from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.response_store import ResponseStore
 from tollway.server.responses import final_choice
+from tollway.server.tool_parsers import PARSERS
 from tollway.server.tracing import Tracing
-from tollway.server.validation import CheckedCall, batch_line, validate
+from tollway.server.validation import CheckedCall, batch_line, tool_call_syntax, validate
 from tollway.server.watchdog import Watchdog
 from tollway.storage.database import Database
 
@@ -69,6 +70,11 @@ class Service:
         if metrics is not None:
             metrics.watch(engine, self.watchdog)
         self.tokenizer = engine.tokenizer
+        self.tool_call_parser = engine.tool_call_parser
+        if self.tokenizer is not None:  # the markers of the model's tool calls, which replies are read by
+            self.tool_call_parser = tool_call_syntax(self.tokenizer, engine.tool_call_parser)
+            parser = PARSERS.get(self.tool_call_parser)
+            self.tokenizer.keep_special_tokens(parser.markers if parser is not None else ())
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.batch_store = BatchStore(batch_dir) if batch_dir is not None else None
@@ -79,7 +85,8 @@ class Service:
         self._settling: set[asyncio.Task] = set()  # ended calls' ledger rows and timings, being written
 
     def validate(self, req, tags_header: str | None = None) -> CheckedCall:
-        return validate(req, self.model_name, self.tokenizer, self.vocab_size, self.max_model_len, tags_header)
+        return validate(req, self.model_name, self.tokenizer, self.vocab_size, self.max_model_len, tags_header,
+                        self.tool_call_parser)
 
     async def start(self, sub: CheckedCall, tier: str, key: KeySpec | None, call: str | None,
                     owner: str | None = None, canary_eligible: bool = False,

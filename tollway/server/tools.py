@@ -1,18 +1,24 @@
-"""OpenAI function calling (tools, tool_choice) on any model: a grammar (structured_output.py)
-makes the output a call.
+"""OpenAI function calling (tools, tool_choice): calls read from the model's own syntax, or made
+by a grammar (structured_output.py) on any model.
 
 - a named function (tool_choice {"type": "function", ...}): the output is its arguments, JSON
   that validates against its parameter schema;
-- "required": one call to one of the tools, written {"name":"...","arguments":{...}};
-- "auto" (the default when tools are given): the model chooses between text and such a call.
-  It can only choose well if it has seen the tools, so auto needs a chat template that renders
-  them (Tokenizer.renders_tools); otherwise a 400 says so;
+- "required": one call to one of the tools, written {"name":"...","arguments":{...}}. One only:
+  a grammar that allowed more would leave a small model free to call on and on, where nothing
+  but max_tokens stops it;
+- "auto" (the default when tools are given): the model chooses between text and calls. It can
+  only choose well if it has seen the tools, so auto needs a chat template that renders them
+  (Tokenizer.renders_tools); otherwise a 400 says so. Where the template teaches a call syntax
+  that tool_parsers.py reads (or --tool-call-parser names one), the model writes its calls so,
+  unconstrained, and they are read from its text, several if it makes several (the first only
+  under parallel_tool_calls false); otherwise a grammar lets it write text or a call in the
+  format of "required";
 - "none": text, as without tools.
 
-A call comes back as `tool_calls` (streamed as tool-call deltas) with finish_reason
-"tool_calls". A template that does not render tools gets them described in a system message,
-and the conversation's calls and results (assistant tool_calls, role "tool") written into its
-turns as text, so that its roles still alternate as such templates require."""
+Calls come back as `tool_calls` (streamed as tool-call deltas), text around them as content, with
+finish_reason "tool_calls". A template that does not render tools gets them described in a system
+message, and the conversation's calls and results (assistant tool_calls, role "tool") written into
+its turns as text, so that its roles still alternate as such templates require."""
 from __future__ import annotations
 
 import json
@@ -25,24 +31,26 @@ from llguidance import LLMatcher
 
 from tollway.server.errors import APIError
 from tollway.server.structured_output import json_grammar
+from tollway.server.tool_parsers import CONSTRAINED, PARSERS, ArgumentsParser, JsonCallsParser
 
 MAX_TOOLS = 128  # as OpenAI
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How a chat's output is read as a tool call."""
+    """How a chat's output is read as tool calls."""
 
     function: str | None  # the named function: the output is its arguments alone
-    optional: bool  # auto: the output may be text instead of a call
+    syntax: str = CONSTRAINED  # a tool_parsers.PARSERS name, or CONSTRAINED (a grammar wrote the calls)
+    parallel: bool = True  # several calls in one reply (parallel_tool_calls); else the first only
 
 
-def tool_calling(req, renders_tools: bool) -> tuple[ToolCalling | None, str | None]:
+def tool_calling(req, renders_tools: bool, syntax: str = CONSTRAINED) -> tuple[ToolCalling | None, str | None]:
     """A chat request's tool calling and the grammar its output follows; (None, None) without
-    tools or with tool_choice "none". A 400 naming tools or tool_choice for what cannot be done."""
+    tools or with tool_choice "none". `syntax`: the model's own call syntax, which "auto" reads
+    unconstrained (CONSTRAINED: none). A 400 naming tools or tool_choice for what cannot be done."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -63,10 +71,10 @@ def tool_calling(req, renders_tools: bool) -> tuple[ToolCalling | None, str | No
             raise APIError(400, f"tool_choice names a function that is not among the tools: {str(name)[:64]!r}",
                            param="tool_choice")
         function = functions[name]
-        return ToolCalling(name, False), json_grammar(function.get("parameters", _NO_PARAMETERS),
-                                                      bool(function.get("strict")), "tools")
+        return ToolCalling(name), json_grammar(function.get("parameters", _NO_PARAMETERS),
+                                               bool(function.get("strict")), "tools")
     if choice == "required":
-        return ToolCalling(None, False), json_grammar(call_schema(functions), strict, "tools")
+        return ToolCalling(None), json_grammar(call_schema(functions), strict, "tools")
     if choice != "auto":
         raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                             "\"function\": {\"name\": ...}}", param="tool_choice")
@@ -74,12 +82,14 @@ def tool_calling(req, renders_tools: bool) -> tuple[ToolCalling | None, str | No
         raise APIError(400, "tool_choice \"auto\" needs a chat template that shows the model its tools, and this "
                             "model's does not: use \"required\" or name a function, or serve a template that renders "
                             "tools (--chat-template)", param="tool_choice")
+    if syntax != CONSTRAINED:
+        return ToolCalling(None, syntax, parallel=req.parallel_tool_calls is not False), None
     schema = {**call_schema(functions), "x-guidance": {"whitespace_flexible": False, "lenient": not strict}}
     grammar = LLMatcher.grammar_from_lark(f"start: call | text\ncall: %json {json.dumps(schema)}\ntext: /[^{{](?s:.)*/\n")
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise APIError(400, f"the tools' schemas cannot be enforced: {error}", param="tools")
-    return ToolCalling(None, True), grammar
+    return ToolCalling(None), grammar
 
 
 def tool_functions(tools: list[Any]) -> dict[str, dict]:
@@ -110,9 +120,14 @@ def call_schema(functions: dict[str, dict]) -> dict:
 
 
 def conversation(messages: list[dict], tools: list[dict] | None, renders_tools: bool) -> list[dict]:
-    """The messages as the chat template is given them: unchanged for a template that renders
-    tools; else with the tools described up front and calls and results written as text."""
-    if renders_tools or not (tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
+    """The messages as the chat template is given them. For a template that renders tools, as
+    they are, but with the calls' arguments as objects: templates write them with tojson, as
+    transformers documents (and vLLM passes them). For one that does not, with the tools
+    described up front and calls and results written as text."""
+    if renders_tools:
+        return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+    if not (tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
         return messages
     out: list[dict] = []
     if tools:
@@ -122,8 +137,7 @@ def conversation(messages: list[dict], tools: list[dict] | None, renders_tools: 
     for m in messages:
         role, text = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = [json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")})
-                     for c in m["tool_calls"]]
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}) for c in m["tool_calls"]]
             text = "\n".join(filter(None, [text, *calls]))
         elif role == "tool":
             role, text = "user", f"Result of the call {m.get('tool_call_id', '')}: {text}"
@@ -136,70 +150,64 @@ def conversation(messages: list[dict], tools: list[dict] | None, renders_tools: 
     return out
 
 
+def _arguments(call: dict) -> Any:
+    """A call's arguments as sent (JSON text) made an object; text that is not JSON as it is."""
+    arguments = call["function"].get("arguments") or "{}"
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
 class ToolCallReader:
-    """One choice's output as it streams, read as text or as a call: the call's name, then its
-    arguments piece by piece. A call wrapped as {"name":..,"arguments":..} holds back its last
-    character, the wrapper's closing brace, until the output ends."""
+    """One choice's output as it streams, read as content and tool calls by the parser of its
+    ToolCalling: `push` gives what each piece of text adds, as a chat delta's fields."""
 
     def __init__(self, calling: ToolCalling):
         self.calling = calling
-        self.id = f"call_{secrets.token_hex(12)}"
-        self.name = calling.function
-        self.mode = "call" if calling.function else None  # "call" or "text" once known
-        self.started = False  # the call's first delta (id, name) is out
-        self.arguments = ""  # handed out so far
-        self.content = ""  # the same, for text
-        self._buffer = ""
+        self._parser = ArgumentsParser(calling.function) if calling.function else \
+            PARSERS.get(calling.syntax, _CONSTRAINED_CALLS)
+        self._text = ""
+        self.content = ""  # handed out so far
+        self.calls: list[dict] = []  # handed out so far, as a message's tool_calls
 
-    def push(self, text: str, finished: bool, complete: bool) -> dict:
-        """What `text` adds, as a chat delta's fields; `complete`: the output ended by its
-        grammar's completing (not cut by max_tokens)."""
-        self._buffer += text
-        if self.mode is None:
-            head = _CALL_HEAD.match(self._buffer)
-            if head:
-                self.mode, self.name, self._buffer = "call", head.group(1), self._buffer[head.end():]
-            elif finished or not _could_become_head(self._buffer):
-                self.mode = "text"
-            else:
-                return {}
-        if self.mode == "text":
-            delta, self._buffer = {"content": self._buffer} if self._buffer else {}, ""
-            self.content += delta.get("content", "")
-            return delta
-        if self.calling.function or (finished and not complete):
-            pieces, self._buffer = self._buffer, ""
-        elif finished:
-            pieces, self._buffer = self._buffer[:-1], ""  # the wrapper's "}"
-        else:
-            pieces, self._buffer = self._buffer[:-1], self._buffer[-1:]
-        self.arguments += pieces
-        if not self.started:
-            self.started = True
-            return {"tool_calls": [{"index": 0, "id": self.id, "type": "function",
-                                    "function": {"name": self.name, "arguments": pieces}}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": pieces}}]} if pieces else {}
+    def push(self, text: str, finished: bool) -> dict:
+        """What `text` adds, as a chat delta's fields; `finished`: the output has ended."""
+        self._text += text
+        parsed = self._parser.parse(self._text, finished)
+        delta: dict[str, Any] = {}
+        if len(parsed.content) > len(self.content):
+            delta["content"], self.content = parsed.content[len(self.content):], parsed.content
+        calls = []
+        for index, call in enumerate(parsed.calls if self.calling.parallel else parsed.calls[:1]):
+            if index == len(self.calls):
+                head = {"id": f"call_{secrets.token_hex(12)}", "type": "function"}
+                self.calls.append({**head, "function": {"name": call.name, "arguments": call.arguments}})
+                calls.append({"index": index, **head, "function": {"name": call.name, "arguments": call.arguments}})
+                continue
+            function = self.calls[index]["function"]
+            if len(call.arguments) > len(function["arguments"]):
+                calls.append({"index": index, "function": {"arguments": call.arguments[len(function["arguments"]):]}})
+                function["arguments"] = call.arguments
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     @property
     def called(self) -> bool:
-        return self.mode == "call"
+        return bool(self.calls)
 
     def message(self) -> dict:
         """The whole output as a chat message (after every push, the last one finished)."""
         if not self.called:
             return {"role": "assistant", "content": self.content}
-        return {"role": "assistant", "content": None, "tool_calls": [
-            {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}]}
+        return {"role": "assistant", "content": self.content or None, "tool_calls": self.calls}
 
 
-def _could_become_head(text: str) -> bool:
-    """Whether more output could still make `text` a call's head."""
-    if '{"name":"'.startswith(text) or re.fullmatch(r'\{"name":"[A-Za-z0-9_-]{0,64}', text):
-        return True
-    name = re.fullmatch(r'\{"name":"[A-Za-z0-9_-]{1,64}(.*)', text, re.S)
-    return name is not None and '","arguments":'.startswith(name.group(1))
+_CONSTRAINED_CALLS = JsonCallsParser()  # the grammar's calls are JSON objects, one per line
 
 
 def finish_reason(reader: ToolCallReader | None, reason: str | None) -> str | None:
-    """A chat choice's finish_reason: "tool_calls" for a call that ended as its grammar completed."""
+    """A chat choice's finish_reason: "tool_calls" for calls that ended as the output did (not cut
+    by max_tokens)."""
     return "tool_calls" if reader is not None and reader.called and reason == "stop" else reason

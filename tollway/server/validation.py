@@ -17,6 +17,7 @@ from tollway.request import InvalidRequest, SamplingParams, Submission, check_pr
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tollway.server.structured_output import response_grammar
+from tollway.server.tool_parsers import CONSTRAINED, native_syntax
 from tollway.server.tools import ToolCalling, conversation, tool_calling
 from tollway.text.tokenizer import Tokenizer
 
@@ -55,8 +56,11 @@ class CheckedCall:
 
 
 def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, tokenizer: Tokenizer,
-             vocab_size: int, max_model_len: int, tags_header: str | None = None) -> CheckedCall:
-    """`req` as the engine's inputs; raises APIError naming the parameter at fault."""
+             vocab_size: int, max_model_len: int, tags_header: str | None = None,
+             tool_call_parser: str | None = None) -> CheckedCall:
+    """`req` as the engine's inputs; raises APIError naming the parameter at fault.
+    `tool_call_parser`: the syntax the model's tool calls are read in (tool_parsers.py; None: the
+    one its chat template teaches, if any)."""
     chat = isinstance(req, ChatCompletionRequest)
     tags = request_tags(req, tags_header)
     if req.model is not None and req.model != model_name:
@@ -75,11 +79,18 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
                             f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
     logprobs = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
-    calling, grammar = tool_calling(req, tokenizer.renders_tools) if chat else (None, None)
+    calling, grammar = tool_calling(req, tokenizer.renders_tools, tool_call_syntax(tokenizer, tool_call_parser)) \
+        if chat else (None, None)
     if chat and grammar is None:
         grammar = response_grammar(req.response_format)
     params = [sampling_params(req, max_tokens, logprobs, i, vocab_size, grammar) for i in range(req.n)]
     return CheckedCall("chat" if chat else "completion", prompts, params, tags, not chat and req.echo, calling)
+
+
+def tool_call_syntax(tokenizer: Tokenizer, configured: str | None) -> str:
+    """The syntax a chat's tool calls are read in: the configured one, else the chat template's."""
+    template = tokenizer.chat_template.text if tokenizer.chat_template is not None else None
+    return configured or native_syntax(template) or CONSTRAINED
 
 
 def invalid(e: InvalidRequest, chat: bool) -> APIError:

@@ -6,12 +6,12 @@ metadata, which gguf_tokenizer.py turns into tokenizer files once (checkpoint.to
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tollway.text.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     import llguidance
@@ -40,11 +40,11 @@ class Tokenizer:
         if self._gemma_turns:
             eos.append(backend.token_to_id(_END_OF_TURN))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
-        self._template = _jinja_env().from_string(chat_template) if chat_template else None
-        # A template that reads a `tools` variable shows the model the tools it may call.
-        self.renders_tools = bool(chat_template) and "tools" in chat_template
+        self.chat_template = ChatTemplate(chat_template) if chat_template else None
+        self.renders_tools = self.chat_template is not None and self.chat_template.renders_tools
         self._byte_token_ids = backend.byte_token_ids
         self._special_token_ids = backend.special_token_ids
+        self._kept_special_ids: frozenset[int] = frozenset()  # special, yet in decoded text (keep_special_tokens)
 
     @classmethod
     def load(cls, path: str | Path, chat_template: str | None = None,
@@ -87,22 +87,25 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._kept_special_ids:
+            skipped = self._special_token_ids - self._kept_special_ids
+            return self._backend.decode([i for i in ids if i not in skipped], False)
         return self._backend.decode(ids, skip_special_tokens)
+
+    def keep_special_tokens(self, tokens: Iterable[str]) -> None:
+        """Decode these special tokens as text, as the others are not: the markers of the model's
+        tool-call syntax (Mistral's [TOOL_CALLS]), which the server reads calls by."""
+        ids = (self._backend.token_to_id(t) for t in tokens)
+        self._kept_special_ids = frozenset(i for i in ids if i in self._special_token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text for an OpenAI-style message list, in the model's own chat format.
         `template_kwargs`: further variables for the template (a request's chat_template_kwargs);
         `tools`: OpenAI's tool definitions, for a template that renders them (renders_tools)."""
-        if self._template is not None:
-            return self._template.render({
-                **(template_kwargs or {}),  # below, so that they cannot replace the messages
-                **({"tools": tools} if tools else {}),
-                "messages": messages,
-                "add_generation_prompt": add_generation_prompt,
-                "bos_token": self._bos_token or "",
-                "eos_token": self._eos_token or "",
-            })
+        if self.chat_template is not None:
+            return self.chat_template.render(messages, add_generation_prompt, tools, {
+                **(template_kwargs or {}), "bos_token": self._bos_token or "", "eos_token": self._eos_token or ""})
         if self._gemma_turns:
             return _gemma_prompt(messages, add_generation_prompt, self._bos_token or "")
         raise ValueError("this model has no chat template; send a plain prompt instead of chat messages")
@@ -214,24 +217,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _token_text(token: str | dict | None) -> str | None:
     """HF configs spell a special token as a string or as an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
-
-
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The environment HF chat templates are written against."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_template_error
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters, which would change the prompt text.
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
 
 
 def _gemma_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str) -> str:
