@@ -30,6 +30,7 @@ class Choice:
     text_len: int = 0
     num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None  # where asked: the engine's (RequestOutput's)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
     reader: ToolCallReader | None = None  # a stream's, where the output is read as a tool call
@@ -40,6 +41,8 @@ class Choice:
         self.text_len += len(out.new_text)
         self.num_tokens = out.num_output_tokens
         self.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.output = out
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -67,6 +70,8 @@ class Generation:
         self.prompts: list[list[int]] = []
         self.n = 1  # choices per prompt
         self.tools: ToolCalling | None = None  # a chat whose output is read as a tool call
+        self.logprobs: int | None = None  # top logprobs per token, where asked (every choice alike)
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, where asked
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
@@ -79,6 +84,7 @@ class Generation:
         """Submit every choice; if any is refused, withdraw the others and raise."""
         self.prompts, self.n = call.prompts, len(call.params)
         self.tools = call.tools
+        self.logprobs, self.prompt_logprobs = call.params[0].logprobs, call.prompt_logprobs
         try:
             for index, submission in enumerate(call.submissions):
                 self.choices.append(Choice(index, submission.prompt_token_ids))

@@ -99,6 +99,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    # the prompt tokens' logprobs, each with this many of its position's top tokens (vLLM's)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="before")
     @classmethod
