@@ -105,7 +105,7 @@ def test_prompt_logprobs_match_transformers(make_engine, run_to_completion, hf_d
     16, are transformers' log_softmax at the position before it; the second time the prompt
     comes, the prefix cache holds it, and it is scored whole again all the same."""
     engine = make_engine(kernel="fp32", max_num_batched_tokens=16)
-    ids = default_tokenizer.encode(" ".join(PROMPTS))
+    ids = default_tokenizer.encode(" ".join(PROMPTS[:3]))
     with torch.no_grad():
         ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), dim=-1)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
