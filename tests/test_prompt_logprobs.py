@@ -69,6 +69,28 @@ def test_a_streamed_echo_carries_the_prompt_logprobs_first(client):
     assert streamed == whole.choices[0].logprobs.token_logprobs
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, default_tokenizer):
+    """OpenAI's legacy way to score a text, which vLLM serves too."""
+    ids = default_tokenizer.encode(PROMPT)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    choice = resp.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == len(ids)
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    assert choice.logprobs.token_logprobs == scored.choices[0].logprobs.token_logprobs[:len(ids)]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+
+
+def test_max_tokens_0_needs_echo(server):
+    for path, body in [("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True})]:
+        resp = httpx.post(server["url"] + path, json={"model": MODEL, "max_tokens": 0, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", path
+
+
 def test_vllm_prompt_logprobs_field(server, default_tokenizer):
     ids = default_tokenizer.encode(PROMPT)
     body = httpx.post(server["url"] + "/v1/completions", timeout=60, json={

@@ -73,7 +73,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Name | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only (validation.py)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)

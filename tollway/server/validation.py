@@ -35,6 +35,7 @@ class CheckedCall:
     echo: bool  # completions only: the prompt's text (and, with logprobs, its logprobs) leads each choice's
     tools: ToolCalling | None = None  # chat only: how its output is read as a tool call
     prompt_logprobs: int | None = None  # vLLM's field, as asked: each response gives them in its shape
+    echo_only: bool = False  # max_tokens 0 with echo: each choice is its prompt alone
 
     @property
     def num_requests(self) -> int:
@@ -69,7 +70,12 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     except InvalidRequest as e:
         raise invalid(e, chat) from None
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    max_tokens = asked or (max_model_len - longest if chat else 16)
+    echo_only = asked == 0
+    if echo_only and (chat or not req.echo):
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone, to score it)",
+                       param="max_tokens")
+    # OpenAI's legacy max_tokens 0 with echo, as vLLM serves it: one token is generated and not shown
+    max_tokens = 1 if echo_only else asked or (max_model_len - longest if chat else 16)
     if longest + max_tokens > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
                             f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
@@ -84,7 +90,8 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     scored = [n for n in (req.prompt_logprobs, logprobs if echo else None) if n is not None]
     prompt_logprobs = max(scored) if scored else None
     params = [sampling_params(req, max_tokens, logprobs, i, vocab_size, grammar, prompt_logprobs) for i in range(req.n)]
-    return CheckedCall("chat" if chat else "completion", prompts, params, tags, echo, calling, req.prompt_logprobs)
+    return CheckedCall("chat" if chat else "completion", prompts, params, tags, echo, calling, req.prompt_logprobs,
+                       echo_only)
 
 
 def check_model(model: str | None, model_name: str) -> None:
