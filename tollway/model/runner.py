@@ -136,13 +136,15 @@ class ModelRunner:
         else:
             hidden = out
             argmax = self.model.greedy_tokens(hidden, plan.kernel) if greedy else None
-        prompt_logprobs = {}
+        prompt_logprobs, scoring_seconds = {}, {}
         if scoring:
             at = {r: i for i, r in enumerate(rows)}
             for s in scoring:
+                start = time.perf_counter()
                 mine = take_rows(hidden, long_tensor([at[r] for r in _scored_rows(s, logit_rows)], self.device))
                 prompt_logprobs[s.request_id] = score_prompt(self.model, mine, s.scored_ids, s.params.prompt_logprobs,
                                                              plan.kernel)
+                scoring_seconds[s.request_id] = time.perf_counter() - start
             if sampled:
                 hidden = take_rows(hidden, long_tensor([at[r] for r in sample_rows], self.device))
         tokens, own = {}, {}
@@ -159,6 +161,10 @@ class ModelRunner:
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        # Scoring a prompt is its request's own work, as a grammar's mask is: charged to it alone, and
+        # left out of what the step model learns a step of this shape costs.
+        for rid, seconds in scoring_seconds.items():
+            own[rid] = own.get(rid, 0.0) + seconds
         return StepResult(plan.step_id, tokens, 0.0, own, prompt_logprobs)  # its seconds are _advance's
 
     def _prepare(self, seqs: list[ScheduledSeq]):
