@@ -38,6 +38,7 @@ def test_tokenize_and_detokenize_round_trip(server, default_tokenizer):
     bare = _post(server, "/tokenize", prompt=text, add_special_tokens=False).json()
     assert bare["tokens"] == body["tokens"][1:] and "token_strs" not in bare
     assert _post(server, "/detokenize", model=MODEL, tokens=body["tokens"]).json() == {"prompt": text}
+    assert _post(server, "/detokenize", tokens=[server["engine"].vocab_size - 1]).status_code == 200  # the last id
 
 
 def test_tokenize_messages_gives_the_chat_prompt(server):
@@ -55,6 +56,7 @@ def test_tokenize_messages_gives_the_chat_prompt(server):
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, None),
     ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
     ("/tokenize", {"prompt": "a", "surprise": 1}, 400, "surprise"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [1]}, 400, "tools"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),

@@ -14,6 +14,7 @@ from tollway.config import KeySpec
 from tollway.server.errors import APIError
 from tollway.server.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, ChatMessage, Name
 from tollway.server.service import Service, caller, service
+from tollway.server.tools import tool_functions
 from tollway.server.validation import chat_text, check_model
 
 router = APIRouter()
@@ -54,6 +55,8 @@ async def tokenize(req: TokenizeRequest, _: KeySpec | None = Depends(caller), sv
     tokenizer = svc.tokenizer
     try:
         if req.messages is not None:
+            if req.tools:
+                tool_functions(req.tools)  # a 400 naming tools for a malformed one, as a chat's
             text = chat_text(req.messages, req.tools, req.chat_template_kwargs, tokenizer, req.add_generation_prompt)
             tokens = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
@@ -88,4 +91,3 @@ async def tokenizer_info(_: KeySpec | None = Depends(caller), svc: Service = Dep
 @router.get("/version")
 async def version() -> dict:
     return {"version": __version__}
-
