@@ -55,6 +55,7 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(server, client
         assert max(top.values()) >= lp.token_logprobs[i]
     assert resp.choices[0].text.startswith(PROMPT)
     assert lp.text_offset[:2] == [0, 0]  # BOS takes none of the echoed text
+    assert lp.text_offset[len(ids) - 1] + len(lp.tokens[len(ids) - 1]) == len(PROMPT)  # the last takes its own
     assert lp.text_offset[len(ids)] == len(PROMPT)  # the completion's tokens follow the prompt's text
     # the generated tokens' part is what the same request without echo gives
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
