@@ -60,3 +60,18 @@ def test_preemption_matches_alone(make_engine, run_to_completion, kernel, prompt
     outs, plans = run_to_completion(engine, prompts, PARAMS)
     assert any(p.preempted for p in plans)
     assert [o.token_ids for o in outs] == alone
+
+
+def test_requests_scoring_their_prompts_change_no_greedy_result(make_engine, kernel, prompts, alone):
+    """Every other request also asks for its prompt's logprobs, which puts whole prefill chunks
+    through the LM head and off the greedy path, in the steps everyone shares."""
+    engine = make_engine(kernel=kernel, max_num_batched_tokens=40)
+    scoring = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    some = prompts[:16]
+    ids = [engine.add_request(p, scoring if i % 2 == 0 else PARAMS) for i, p in enumerate(some)]
+    finals = {}
+    while engine.has_unfinished():
+        finals.update((o.request_id, o) for o in engine.step().outputs if o.finished)
+    assert [finals[i].token_ids for i in ids] == alone[:len(some)]
+    assert all(len(finals[i].prompt_logprobs) == len(finals[i].prompt_token_ids) for i in ids[::2])
+    assert all(finals[i].prompt_logprobs is None for i in ids[1::2])

@@ -14,6 +14,7 @@ import pytest
 from typing import Literal
 
 from openai.types import Batch, Completion, CompletionChoice, FileDeleted, FileObject, Model
+from openai.types.completion_choice import Logprobs
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel
@@ -37,6 +38,31 @@ class StreamedCompletionChoice(CompletionChoice):
 
 class StreamedCompletion(Completion):
     choices: list[StreamedCompletionChoice]
+
+
+class EchoedLogprobs(Logprobs):
+    """An echo's logprobs: OpenAI's own legacy completions (and vLLM's) send null for the
+    prompt's first token, which nothing precedes; the package's Logprobs, written from responses
+    without echo, does not allow it. Nothing else differs."""
+
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class EchoedChoice(CompletionChoice):
+    logprobs: EchoedLogprobs | None = None
+
+
+class EchoedCompletion(Completion):
+    choices: list[EchoedChoice]
+
+
+class EchoedStreamedChoice(StreamedCompletionChoice):
+    logprobs: EchoedLogprobs | None = None
+
+
+class EchoedStreamedCompletion(Completion):
+    choices: list[EchoedStreamedChoice]
 
 
 def _validated(kind: type[BaseModel], data: dict) -> BaseModel:
@@ -90,14 +116,16 @@ def _post(server, path: str, body: dict) -> httpx.Response:
 def test_completions(server, body):  # noqa: F811
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
-    resp = _validated(Completion, r.json())
+    echo = body.get("echo", False)
+    resp = _validated(EchoedCompletion if echo else Completion, r.json())
     prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
     assert len(resp.choices) == len(prompts) * body.get("n", 1)
     if "logprobs" in body:
         lp = resp.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
-    chunks = [_validated(StreamedCompletion, e) for e in _events(server, "/v1/completions",
-                                                                 {**body, "stream_options": {"include_usage": True}})]
+    chunk_type = EchoedStreamedCompletion if echo else StreamedCompletion
+    chunks = [_validated(chunk_type, e) for e in _events(server, "/v1/completions",
+                                                         {**body, "stream_options": {"include_usage": True}})]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
     finished = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(choice.index for choice in finished) == list(range(len(resp.choices)))  # once per choice

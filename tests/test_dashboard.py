@@ -43,7 +43,8 @@ def server(make_engine, tmp_path_factory):
     engine = make_engine(profile_steps=True, kernel="int8", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
                          tiers=tiers)
     for details in running_server(engine, Metrics(MODEL), gatekeeper=keys, meter=meter):
-        yield {**details, "meter": meter}
+        # before any request: what a Prometheus scraping a fresh server gets
+        yield {**details, "meter": meter, "fresh_metrics": httpx.get(details["url"] + "/metrics").text}
 
 
 class Traffic:
@@ -225,6 +226,20 @@ def _queried_metrics(node) -> set[str]:
     if isinstance(node, list):
         return set().union(*map(_queried_metrics, node)) if node else set()
     return set()
+
+
+def test_every_series_the_board_queries_is_served_from_the_start(server):
+    """Counted from zero, not from a first event: a rate() over a series not yet exported is no
+    data, and its panel stays empty on a fresh server (preemptions, speculation)."""
+    board = json.loads((ROOT / "deploy/grafana/dashboards/tollway.json").read_text())
+    samples = {line.split("{")[0].split(" ")[0] for line in server["fresh_metrics"].splitlines()
+               if line and not line.startswith("#")}
+    queried = _queried_metrics(board)
+    assert {"tollway:num_preemptions_total", "tollway:spec_decode_num_draft_tokens_total"} <= queried
+    assert queried <= samples, sorted(queried - samples)
+    zero = re.search(r'^tollway:num_preemptions_total\{model_name="gemma3-270m",tier="fast"\} (\S+)$',
+                     server["fresh_metrics"], re.M)
+    assert zero and float(zero.group(1)) == 0.0
 
 
 def test_the_grafana_board_queries_only_what_metrics_serves(server):

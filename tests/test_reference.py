@@ -98,3 +98,34 @@ def test_tiny_models_match_transformers_logits(tiny_hf_models, name):
         assert tok.token_id == int(expected.indices[0])
         got = torch.tensor([tok.top_logprobs[int(i)] for i in expected.indices])
         torch.testing.assert_close(got, expected.values, atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_logprobs_match_transformers(make_engine, run_to_completion, hf_default, default_tokenizer):
+    """Each prompt token's logprob, rank and its position's top 3, scored over prefill chunks of
+    16, are transformers' log_softmax at the position before it; the second time the prompt
+    comes, the prefix cache holds it, and it is scored whole again all the same."""
+    engine = make_engine(kernel="fp32", max_num_batched_tokens=16)
+    ids = default_tokenizer.encode(" ".join(PROMPTS[:3]))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), dim=-1)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    for _ in range(2):
+        rid = engine.add_request(ids, params)
+        scored_seconds, out = 0.0, None
+        while out is None:
+            report = engine.step()
+            # its own work, charged to it alone by the meter (as a grammar's mask is)
+            scored_seconds += report.result.own_seconds.get(rid, 0.0)
+            out = next((o for o in report.outputs if o.finished), None)
+        assert scored_seconds > 0
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for position, (token, entry) in enumerate(zip(ids[1:], out.prompt_logprobs[1:])):
+            row = ref[position]
+            assert entry["token_id"] == token
+            assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+            assert entry["rank"] == int((row > row[token]).sum()) + 1
+            top = torch.topk(row, 3)
+            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert entry["top_logprobs"][t] == pytest.approx(lp, abs=1e-4)
+    [plain], _ = run_to_completion(engine, [ids], SamplingParams(temperature=0, max_tokens=1))
+    assert plain.num_cached_prompt_tokens >= 16 and plain.prompt_logprobs is None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from tollway import profile_command
+from tollway import __version__, profile_command
 from tollway.bench import cli as bench_cli
 from tollway.bench_extra import COMMANDS, check_bench_extra
 from tollway.config import TIERS, EngineConfig, KeySpec, ServerConfig, load_server_config
@@ -24,6 +24,7 @@ from tollway.traffic.arguments import DEFAULT_OUTPUT
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollway", description="LLM inference with fast, standard and batch lanes")
+    parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt")

@@ -310,6 +310,8 @@ class Engine:
             time=now, previous_token_time=req.last_output_time, num_steps=req.num_steps,
             steps_to_first_token=req.steps_to_first_token,
         )
+        if req.params.prompt_logprobs is not None and (finished or len(new_ids) == len(req.output_token_ids) > 0):
+            out.prompt_logprobs = [None, *req.prompt_logprobs]
         if new_ids:
             req.last_output_time = now
         stream = req.follower.stream if req.follower is not None else None

@@ -17,6 +17,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict] = field(default_factory=list)  # one per new token, when asked for
     num_output_tokens: int = 0  # generated so far
+    # Where the request asked (SamplingParams.prompt_logprobs), on its first output with a token and
+    # on its final one: None for the first prompt token, then Request.prompt_logprobs' entries.
+    prompt_logprobs: list[dict | None] | None = None
     # The whole request, on the final output (finished) only:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)

@@ -57,6 +57,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
+    # top-n logprobs (and the token's own) of each prompt token after the first, from its prefill
+    prompt_logprobs: int | None = None
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     # OpenAI's: logit -= presence_penalty * (count > 0) + frequency_penalty * count, count over the
     # tokens this request has generated; logit += logit_bias[token]. Greedy rows too.
@@ -81,6 +83,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be between 0 and 20, got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be a list of non-empty strings"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
@@ -155,6 +159,9 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
+    # Where params.prompt_logprobs asks: one entry per prompt token after the first, as its prefill
+    # reaches it ({"token_id", "logprob", "rank", "top_logprobs": {id: logprob}})
+    prompt_logprobs: list[dict] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
@@ -210,6 +217,19 @@ class Request:
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_len:
             return "length"
         return None
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether its prompt logprobs, where it asks for them, are still being scored."""
+        return len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def prompt_to_score(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens whose logprobs the logits of positions start..end-1 give, where the
+        request asks for prompt logprobs and has them up to `start`: the token after each
+        position, up to the prompt's end."""
+        if self.params.prompt_logprobs is None or start != len(self.prompt_logprobs):
+            return ()
+        return tuple(self.prompt_token_ids[start + 1:end + 1])
 
     @property
     def all_token_ids(self) -> TokenIds:

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tollway.config import KV_CACHE_DTYPES, SchedulerConfig
-from tollway.model.decoder import DecoderModel
+from tollway.model.decoder import DecoderModel, take_rows
 from tollway.model.gemma3 import Gemma3Model
 from tollway.model.grammar import Grammars
 from tollway.model.host_memory import keep_freed_memory, populate_in_background
@@ -21,6 +21,7 @@ from tollway.model.attention_metadata import long_tensor, step_metadata
 from tollway.model.layers import KVCache, LinearBuilder
 from tollway.model.llama import LlamaModel
 from tollway.model.native.qmatmul import q8_library
+from tollway.model.prompt_logprobs import score_prompt
 from tollway.model.row_ops import row_ops_for
 from tollway.model.sampling import native_draw, only_argmax_needed, sample, sample_greedy
 from tollway.model.step_yield import Paused, StepYield
@@ -117,8 +118,12 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self._prepare(seqs)
         sampled = [s for s in seqs if s.sample]
         rows = [r for s in sampled for r in logit_rows[s.request_id]]  # ascending: seqs are in row order
+        scoring = [s for s in seqs if s.scored_ids]
+        if scoring:  # a chunk's first rows too: they score the prompt tokens after them
+            sample_rows = rows
+            rows = sorted({*rows, *(r for s in scoring for r in _scored_rows(s, logit_rows))})
         keep = None if len(rows) == len(input_ids) else long_tensor(rows, self.device)
-        greedy = bool(sampled) and only_argmax_needed(sampled)
+        greedy = bool(sampled) and not scoring and only_argmax_needed(sampled)
         out = self.model.greedy_forward(input_ids, self.caches, meta, plan.kernel, keep, pause) if greedy else None
         if out is None:
             out = self.model.forward(input_ids, positions, self.caches, meta, plan.kernel, keep, pause)
@@ -131,6 +136,17 @@ class ModelRunner:
         else:
             hidden = out
             argmax = self.model.greedy_tokens(hidden, plan.kernel) if greedy else None
+        prompt_logprobs, scoring_seconds = {}, {}
+        if scoring:
+            at = {r: i for i, r in enumerate(rows)}
+            for s in scoring:
+                start = time.perf_counter()
+                mine = take_rows(hidden, long_tensor([at[r] for r in _scored_rows(s, logit_rows)], self.device))
+                prompt_logprobs[s.request_id] = score_prompt(self.model, mine, s.scored_ids, s.params.prompt_logprobs,
+                                                             plan.kernel)
+                scoring_seconds[s.request_id] = time.perf_counter() - start
+            if sampled:
+                hidden = take_rows(hidden, long_tensor([at[r] for r in sample_rows], self.device))
         tokens, own = {}, {}
         if sampled:
             if argmax is not None:
@@ -145,7 +161,11 @@ class ModelRunner:
                 tokens[seq.request_id] = kept
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(plan.step_id, tokens, 0.0, own)  # its seconds are _advance's
+        # Scoring a prompt is its request's own work, as a grammar's mask is: charged to it alone, and
+        # left out of what the step model learns a step of this shape costs.
+        for rid, seconds in scoring_seconds.items():
+            own[rid] = own.get(rid, 0.0) + seconds
+        return StepResult(plan.step_id, tokens, 0.0, own, prompt_logprobs)  # its seconds are _advance's
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         dev, bs = self.device, self.block_size
@@ -160,6 +180,12 @@ class ModelRunner:
             row += s.num_new
         meta = step_metadata(seqs, pos, slots, bs, self.window, dev, self.model.ops.needs_views)
         return long_tensor(ids, dev), meta.positions, meta, logit_rows
+
+
+def _scored_rows(seq: ScheduledSeq, logit_rows: dict[str, range]) -> range:
+    """The rows of `seq`'s chunk whose logits score its scored_ids: its first ones."""
+    first = logit_rows[seq.request_id].stop - seq.num_new  # its logit rows end with its chunk
+    return range(first, first + len(seq.scored_ids))
 
 
 def kv_dtype_for(device: torch.device, kv_cache_dtype: str, kernels: set[str]) -> torch.dtype:

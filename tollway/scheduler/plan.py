@@ -35,6 +35,9 @@ class ScheduledSeq(NamedTuple):
     output_counts: dict[int, int] | None = None
     grammar: object | None = None  # the request's (Request.grammar), for the runner's masks
     tab: object | None = None  # the request's meter tab (Request.tab), charged its share of the step
+    # Prompt logprobs: the prompt tokens that follow the chunk's first len(scored_ids) positions,
+    # whose logits the step scores them by (Request.prompt_to_score); empty for most.
+    scored_ids: tuple[int, ...] = ()
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -146,6 +149,8 @@ class StepResult:
     seconds: float
     # Of `seconds`, what was one request's work alone (its grammar's mask): charged to it, not shared.
     own_seconds: dict[str, float] = field(default_factory=dict)
+    # For sequences with scored_ids: an entry per scored token (Request.prompt_logprobs').
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
 
 
 class Change(NamedTuple):

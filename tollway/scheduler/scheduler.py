@@ -249,6 +249,8 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             request.num_steps += 1
             rid = request.request_id
+            if seq.scored_ids:
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(rid, ()))
             tokens = result.tokens.get(rid, []) if seq.sample else []
             if seq.sample and (seq.num_draft or len(tokens) != 1):  # one token, no drafts: nothing to check
                 seq.check(plan.step_id, tokens)
@@ -334,7 +336,9 @@ class Scheduler:
                 return
             # At least one token is always left to compute, so the step yields logits.
             entry = self._entries[rid]
-            cached = self.pool.match_prefix(rid, request.all_token_ids, request.num_tokens - 1, entry.block_hashes)
+            cached = self.pool.match_prefix(rid, request.all_token_ids, self._cacheable(request), entry.block_hashes)
+            if request.params.prompt_logprobs is not None and request.scoring_prompt:
+                del request.prompt_logprobs[cached:]  # the positions it runs again score their tokens again
             self.capacity.hold(request.tier, len(self.pool.table(rid)))
             remaining = request.num_tokens - cached
             n = step.chunk(cached, remaining, True, force,
@@ -358,14 +362,24 @@ class Scheduler:
             self.capacity.start(request.tier)
             step.add(self._schedule(request, n))
 
+    @staticmethod
+    def _cacheable(request: Request) -> int:
+        """The most of its tokens the prefix cache may serve: all but the last, which must run to
+        give logits; and while its prompt logprobs are being scored, none past those it has, for
+        a position the cache serves is not run and gives no logits."""
+        if request.params.prompt_logprobs is not None and request.scoring_prompt:
+            return len(request.prompt_logprobs)
+        return request.num_tokens - 1
+
     def _schedule(self, request: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         self._in_flight[request.request_id] = request
         self._entries[request.request_id].last_step = self._step_id
+        scored = request.prompt_to_score(start, start + n) if request.params.prompt_logprobs is not None else ()
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
                             request.params, len(drafts), request.banned_tokens(), request.output_counts, request.grammar,
-                            request.tab)
+                            request.tab, scored)
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions and /v1/chat/completions (completions.py),
 /v1/responses (responses_api.py),
-/v1/models, /health and /metrics (status.py), /v1/usage (usage.py), the Batch API
+/v1/models, /health and /metrics (status.py), /v1/usage (usage.py), vLLM's /tokenize,
+/detokenize and /version (tokenization.py), /v1/embeddings' refusal (embeddings.py), the Batch API
 (batch_api.py) and the operators' /dashboard (dashboard.py), each a router over one Service
 (service.py).
 
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tollway.async_engine import AsyncEngine
 from tollway.config import CanaryConfig
 from tollway.meter.meter import Meter
-from tollway.server import batch_api, completions, errors, responses_api, status, usage
+from tollway.server import batch_api, completions, embeddings, errors, responses_api, status, tokenization, usage
 from tollway.server.dashboard import dashboard_router
 from tollway.server.fast_first import FastFirst
 from tollway.server.keep_alive import DEFAULT_INTERVAL
@@ -68,7 +69,7 @@ def create_app(engine: AsyncEngine, model_name: str, metrics: Metrics | None = N
     app.add_middleware(FastFirst)
     app.add_middleware(RequestIds)  # added last: outermost, so `received` counts FastFirst's wait
     errors.install(app)
-    for module in (status, usage, completions, responses_api):
+    for module in (status, usage, completions, responses_api, tokenization, embeddings):
         app.include_router(module.router)
     app.include_router(dashboard_router(svc.stats, svc.gatekeeper, model_name, meter, svc.canary))
     if runner is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tollway.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tollway.meter.ledger import LedgerRow
@@ -30,6 +30,7 @@ class Choice:
     text_len: int = 0
     num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None  # where asked: the engine's (RequestOutput's)
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the latest from the engine: token counts and times
     reader: ToolCallReader | None = None  # a stream's, where the output is read for tool calls
@@ -40,6 +41,8 @@ class Choice:
         self.text_len += len(out.new_text)
         self.num_tokens = out.num_output_tokens
         self.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.output = out
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -67,6 +70,9 @@ class Generation:
         self.prompts: list[list[int]] = []
         self.n = 1  # choices per prompt
         self.tools: ToolCalling | None = None  # a chat whose output is read for tool calls
+        self.logprobs: int | None = None  # top logprobs per token, where asked (every choice alike)
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, where asked
+        self.echo_only = False  # max_tokens 0 with echo: the token each choice generates is not its own
         self.choices: list[Choice] = []
         self.streams: list[RequestStream] = []
         self._adding: asyncio.Future | None = None  # the add of the next stream, until it lands
@@ -79,6 +85,8 @@ class Generation:
         """Submit every choice; if any is refused, withdraw the others and raise."""
         self.prompts, self.n = call.prompts, len(call.params)
         self.tools = call.tools
+        self.logprobs, self.prompt_logprobs = call.params[0].logprobs, call.prompt_logprobs
+        self.echo_only = call.echo_only
         try:
             for index, submission in enumerate(call.submissions):
                 self.choices.append(Choice(index, submission.prompt_token_ids))
@@ -123,7 +131,7 @@ class Generation:
             self._adding = None
         for choice, stream in zip(self.choices, self.streams):
             try:
-                out = await stream.ended()
+                out = self._shown(await stream.ended())
             except EngineDeadError:
                 continue
             choice.output, choice.num_tokens = out, out.num_output_tokens
@@ -134,7 +142,7 @@ class Generation:
         if len(self.streams) == 1:  # the usual call: read its stream directly, not through a pump task
             try:
                 async for out in self.streams[0]:
-                    yield self.choices[0], out
+                    yield self.choices[0], self._shown(out)
             finally:
                 self.abort()
             return
@@ -155,9 +163,19 @@ class Generation:
                 if isinstance(out, Exception):
                     raise out
                 remaining -= out.finished
-                yield choice, out
+                yield choice, self._shown(out)
         finally:
             self.abort()
+
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """`out` as the call shows it: under echo_only, without the token it generated, which is
+        then neither returned nor billed (its engine time is, as the prompt's: it scored the
+        prompt), finished for "length" as OpenAI's legacy completions say."""
+        if not self.echo_only:
+            return out
+        reason = "length" if out.finished and out.finish_reason != "abort" else out.finish_reason
+        return replace(out, new_text="", new_token_ids=[], new_logprobs=[], num_output_tokens=0, text="",
+                       token_ids=[], logprobs=[], finish_reason=reason)
 
     def scheduled_prompts(self) -> dict[int, RequestOutput]:
         """Per prompt that any of its choices was scheduled for, the first such choice's output:

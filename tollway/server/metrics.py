@@ -26,6 +26,7 @@ from tollway.step_report import StepReport
 _LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+FINISH_REASONS = ("stop", "length")  # those request_success counts (an abort is not a success)
 FOLD_EVERY = 64  # steps recorded before the engine thread counts them
 
 
@@ -69,6 +70,18 @@ class Metrics:
         self._children: dict[tuple, object] = {}  # (metric, labels) -> its labelled child
         self._pending: deque[StepReport] = deque()  # not yet counted
         self._folding = threading.Lock()
+        # Every series exported at 0 from the start, not from its first event: a rate() over a series
+        # that does not exist yet is no data, and a board's panel stays empty instead of showing 0.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
+                       self.preemptions):
+            for t in TIERS:
+                self._of(metric, model_name, t)
+        for t in TIERS:
+            for reason in FINISH_REASONS:
+                self._of(self.finished, model_name, t, reason)
+        for metric in (self.prefix_queries, self.prefix_hits, self.step_seqs, self.step_tokens, self.step_seconds,
+                       self.step_predicted, self.step_error, self.drafts, self.accepted, self.steps_paused):
+            self._of(metric, model_name)
 
     def _of(self, metric, *labels):
         """metric.labels(*labels), remembered: labels() locks and looks up on every call, and

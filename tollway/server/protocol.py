@@ -73,7 +73,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Name | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only (validation.py)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -99,6 +99,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    # the prompt tokens' logprobs, each with this many of its position's top tokens (vLLM's)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="before")
     @classmethod

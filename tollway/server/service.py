@@ -27,7 +27,7 @@ from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.response_store import ResponseStore
-from tollway.server.responses import final_choice
+from tollway.server.responses import final_choice, vllm_prompt_logprobs
 from tollway.server.tool_parsers import PARSERS
 from tollway.server.tracing import Tracing
 from tollway.server.validation import CheckedCall, batch_line, tool_call_syntax, validate
@@ -176,7 +176,12 @@ class Service:
             await self.settle(gen)
         finally:
             self.withdraw(gen)
-        return gen.envelope([final_choice(gen, c, echo, self.tokenizer) for c in gen.choices], usage=gen.usage())
+        extra = {}
+        if gen.kind == "chat" and gen.prompt_logprobs is not None:  # vLLM's place for a chat's: beside its choices
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, gen.choices[0].prompt_logprobs,
+                                                            gen.prompt_logprobs)
+        return gen.envelope([final_choice(gen, c, echo, self.tokenizer) for c in gen.choices], usage=gen.usage(),
+                            **extra)
 
     async def complete_in_batch_lane(self, url: str, body: dict, owner: str) -> dict:
         """One Batch API line: what POST `url` with `body` would return, run in the batch lane as

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from tollway.request import InvalidRequest, SamplingParams, Submission, check_prompt
 from tollway.server.errors import APIError
-from tollway.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tollway.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from tollway.server.structured_output import response_grammar
 from tollway.server.tool_parsers import CONSTRAINED, native_syntax
 from tollway.server.tools import ToolCalling, conversation, tool_calling
@@ -33,8 +33,10 @@ class CheckedCall:
     prompts: list[list[int]]
     params: list[SamplingParams]  # one per choice, the same for every prompt
     tags: list[str]
-    echo: bool  # completions only: the prompt's text leads each choice's
+    echo: bool  # completions only: the prompt's text (and, with logprobs, its logprobs) leads each choice's
     tools: ToolCalling | None = None  # chat only: how its output is read as a tool call
+    prompt_logprobs: int | None = None  # vLLM's field, as asked: each response gives them in its shape
+    echo_only: bool = False  # max_tokens 0 with echo: each choice is its prompt alone
 
     @property
     def num_requests(self) -> int:
@@ -63,9 +65,7 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     one its chat template teaches, if any)."""
     chat = isinstance(req, ChatCompletionRequest)
     tags = request_tags(req, tags_header)
-    if req.model is not None and req.model != model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
-                       param="model", code="model_not_found")
+    check_model(req.model, model_name)
     prompts = token_prompts(req, tokenizer)
     longest = max(len(p) for p in prompts)
     try:
@@ -74,7 +74,12 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
     except InvalidRequest as e:
         raise invalid(e, chat) from None
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    max_tokens = asked or (max_model_len - longest if chat else 16)
+    echo_only = asked == 0
+    if echo_only and (chat or not req.echo):
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone, to score it)",
+                       param="max_tokens")
+    # OpenAI's legacy max_tokens 0 with echo, as vLLM serves it: one token is generated and not shown
+    max_tokens = 1 if echo_only else asked or (max_model_len - longest if chat else 16)
     if longest + max_tokens > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt ({longest}) plus "
                             f"max_tokens ({max_tokens}) is more", param="max_tokens", code="context_length_exceeded")
@@ -83,8 +88,22 @@ def validate(req: CompletionRequest | ChatCompletionRequest, model_name: str, to
         if chat else (None, None)
     if chat and grammar is None:
         grammar = response_grammar(req.response_format)
-    params = [sampling_params(req, max_tokens, logprobs, i, vocab_size, grammar) for i in range(req.n)]
-    return CheckedCall("chat" if chat else "completion", prompts, params, tags, not chat and req.echo, calling)
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come in the whole response only
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    echo = not chat and req.echo
+    # what the engine scores: the larger of vLLM's prompt_logprobs and, with echo, logprobs
+    scored = [n for n in (req.prompt_logprobs, logprobs if echo else None) if n is not None]
+    prompt_logprobs = max(scored) if scored else None
+    params = [sampling_params(req, max_tokens, logprobs, i, vocab_size, grammar, prompt_logprobs) for i in range(req.n)]
+    return CheckedCall("chat" if chat else "completion", prompts, params, tags, echo, calling, req.prompt_logprobs,
+                       echo_only)
+
+
+def check_model(model: str | None, model_name: str) -> None:
+    """A 404 naming `model` unless it is the one served (or not given)."""
+    if model is not None and model != model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
+                       param="model", code="model_not_found")
 
 
 def tool_call_syntax(tokenizer: Tokenizer, configured: str | None) -> str:
@@ -129,7 +148,7 @@ def request_tags(req: SamplingFields, header: str | None) -> list[str]:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, n_index: int, vocab_size: int,
-                    grammar: str | None = None) -> SamplingParams:
+                    grammar: str | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
@@ -138,6 +157,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         min_tokens=req.min_tokens, frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, logit_bias=token_biases(req.logit_bias), grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate(vocab_size)
@@ -165,17 +185,8 @@ def token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tok
 
 def _token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
     if isinstance(req, ChatCompletionRequest):
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:  # OpenAI's content parts: keep the text ones
-            if isinstance(m.get("content"), list):
-                m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
-        messages = conversation(messages, req.tools, tokenizer.renders_tools)
-        try:
-            text = tokenizer.apply_chat_template(messages, template_kwargs=req.chat_template_kwargs,
-                                                 tools=req.tools if tokenizer.renders_tools else None)
-        except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return [tokenizer.encode(text, add_special_tokens=False)]
+        return [tokenizer.encode(chat_text(req.messages, req.tools, req.chat_template_kwargs, tokenizer),
+                                 add_special_tokens=False)]
     prompt = req.prompt
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
@@ -186,3 +197,18 @@ def _token_prompts(req: CompletionRequest | ChatCompletionRequest, tokenizer: To
     if isinstance(prompt[0], str):
         return [tokenizer.encode(p) for p in prompt]
     return [list(p) for p in prompt]
+
+
+def chat_text(messages: list[ChatMessage], tools: list | None, template_kwargs: dict | None, tokenizer: Tokenizer,
+              add_generation_prompt: bool = True) -> str:
+    """The prompt text of a chat's messages, in the model's chat template."""
+    turns = [m.model_dump(exclude_none=True) for m in messages]
+    for m in turns:  # OpenAI's content parts: keep the text ones
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(part.get("text", "") for part in m["content"] if part.get("type") == "text")
+    turns = conversation(turns, tools, tokenizer.renders_tools)
+    try:
+        return tokenizer.apply_chat_template(turns, add_generation_prompt, template_kwargs,
+                                             tools=tools if tokenizer.renders_tools else None)
+    except Exception as e:  # noqa: BLE001 -- a template that rejects these messages (jinja raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None

@@ -76,6 +76,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.vocab_size
 
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
     def lltokenizer(self, n_vocab: int) -> llguidance.LLTokenizer:
         """llguidance's tokenizer of this one, for a vocabulary of `n_vocab` (the model's rows)."""
         return self._backend.lltokenizer(n_vocab, list(self.eos_token_ids))
