@@ -51,7 +51,7 @@ from tollway.bench.load import run_stage  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path  # noqa: E402
 from tollway.config import TIERS, MeterConfig, load_config  # noqa: E402
 from tollway.scheduler.machine_profile import MachineProfile  # noqa: E402
-from tollway.server.service_tier import WIRE_NAME  # noqa: E402
+from tollway.tier_names import WIRE_NAME  # noqa: E402
 from tollway.sim import advice_report  # noqa: E402
 from tollway.sim.advisor import Advisor, ClassAdvice, judge_class  # noqa: E402
 from tollway.sim.traffic_classes import TrafficClass, make_class  # noqa: E402

@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from tollway.server.service_tier import WIRE_NAME
+from tollway.tier_names import WIRE_NAME
 from tollway.traffic.records import RequestRecord
 from tollway.traffic.workload import RequestSpec
 

@@ -16,7 +16,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tollway.server.service_tier import TIER_OF
+from tollway.tier_names import TIER_OF
 
 ROUTES = {"/v1/chat/completions", "/v1/completions"}
 # Bodies larger than this (by their content-length) go by unread: no reordering is worth holding

@@ -15,7 +15,7 @@ from tollway.request import InvalidRequest, QueueFullError
 from tollway.server.call_ids import new_call_id
 from tollway.server.call_timing import CallTiming
 from tollway.server.errors import APIError
-from tollway.server.service_tier import WIRE_NAME
+from tollway.tier_names import WIRE_NAME
 from tollway.server.tools import ToolCallReader, ToolCalling
 from tollway.server.validation import CheckedCall, invalid
 

@@ -27,7 +27,8 @@ from tollway.server.responses_output import (OutputItems, message_delta, named_e
 from tollway.server.responses_protocol import ResponsesRequest
 from tollway.server.responses_translation import chat_request, renamed
 from tollway.server.service import Service, caller, service
-from tollway.server.service_tier import WIRE_NAME, tier_for
+from tollway.server.service_tier import tier_for
+from tollway.tier_names import WIRE_NAME
 
 router = APIRouter()
 

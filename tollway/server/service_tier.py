@@ -1,14 +1,8 @@
-"""OpenAI's `service_tier` on the wire <-> tollway's lanes."""
+"""A request's `service_tier` as the lane it asks for, or a 400 naming it."""
 from __future__ import annotations
 
 from tollway.server.errors import APIError
-
-# OpenAI's names, plus tollway's own. OpenAI's "scale" buys reserved capacity at a latency
-# target, which is what the fast lane sells.
-TIER_OF = {"priority": "fast", "scale": "fast", "default": "standard", "auto": "standard", "flex": "batch",
-           "fast": "fast", "standard": "standard", "batch": "batch"}
-# What a response reports: the OpenAI name of the lane that served it.
-WIRE_NAME = {"fast": "priority", "standard": "default", "batch": "flex"}
+from tollway.tier_names import TIER_OF
 
 
 def tier_for(service_tier: str | None) -> str:
