@@ -178,13 +178,13 @@ def test_without_a_compiler_sampling_runs_on_torch(tmp_path, monkeypatch, caplog
 
 
 def _adjusted_by_definition(row: torch.Tensor, generated: list[int], params: SamplingParams) -> torch.Tensor:
-    """OpenAI's definition, token by token."""
+    """OpenAI's definition, token by token, after logit_bias as in vLLM."""
     want = row.clone()
+    for token, bias in params.logit_bias.items():
+        want[token] += bias
     for token in set(generated):
         count = generated.count(token)
         want[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
-    for token, bias in params.logit_bias.items():
-        want[token] += bias
     return want
 
 
