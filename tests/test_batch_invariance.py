@@ -60,3 +60,20 @@ def test_preemption_matches_alone(make_engine, run_to_completion, kernel, prompt
     outs, plans = run_to_completion(engine, prompts, PARAMS)
     assert any(p.preempted for p in plans)
     assert [o.token_ids for o in outs] == alone
+
+
+# vLLM's sampling fields: repetition_penalty moves greedy rows off the LM head's pruned argmax;
+# seeded rows draw after min_p and top_k.
+VLLM_PARAMS = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+               SamplingParams(temperature=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=7, max_tokens=6,
+                              ignore_eos=True)]
+
+
+@pytest.mark.parametrize("params", VLLM_PARAMS, ids=["greedy", "seeded"])
+def test_vllm_sampling_fields_match_alone(make_engine, run_to_completion, kernel, prompts, params):
+    few = prompts[:8]
+    engine = make_engine(kernel=kernel)
+    alone = [run_to_completion(engine, [p], params)[0][0].token_ids for p in few]
+    outs, plans = run_to_completion(engine, few, params)
+    assert max(len(p.seqs) for p in plans) == len(few)
+    assert [o.token_ids for o in outs] == alone

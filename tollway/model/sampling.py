@@ -130,7 +130,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq], masks: dict[st
 def _penalize_seen(row: torch.Tensor, seen: set[int], drafts: tuple[int, ...], penalty: float) -> None:
     """vLLM's repetition_penalty: the logit of each token in the prompt or output (and the drafts
     before the row) divided by `penalty` where positive, multiplied by it where not."""
-    ids = torch.tensor(sorted(seen.union(drafts)), dtype=torch.int64, device=row.device)
+    ids = torch.tensor(list(seen.union(drafts)), dtype=torch.int64, device=row.device)
     picked = row[ids]
     row[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
