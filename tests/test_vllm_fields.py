@@ -143,7 +143,9 @@ def test_sampling_fields_give_the_same_tokens_alone_or_among_concurrent_requests
     ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
     ({"structured_outputs": {"regex": "[A-Z]{4}"}}, lambda t: re.fullmatch("[A-Z]{4}", t)),
     ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
-], ids=["choice", "regex", "json", "json_string", "grammar", "so_choice", "so_regex", "so_json_object"])
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+], ids=["choice", "regex", "json", "json_string", "grammar", "so_choice", "so_regex", "so_json_object",
+        "response_format"])
 def test_guided_fields_constrain_chat_and_completions(client, fields, check):
     chat = _chat(client, max_tokens=40, **fields)
     assert chat.choices[0].finish_reason == "stop" and check(chat.choices[0].message.content)

@@ -222,6 +222,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_MESSAGES)
     chat_template: Any = None
     echo: Any = None
+    include_reasoning: bool | None = None  # vLLM's: the model does not reason, so either value asks for nothing
     tools: list[Any] | None = None  # server/tools.py checks them
     tool_choice: Any = None
     functions: list[Any] | None = None
