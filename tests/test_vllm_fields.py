@@ -19,9 +19,11 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from live_server import MODEL, running_server
 from tollway.config import KeySpec
+from tollway.server.errors import APIError
 from tollway.server.keys import Gatekeeper
 from tollway.server.metrics import Metrics
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
+from tollway.server.service_tier import asked_tier
 
 ALL, STANDARD_ONLY = "sk-all", "sk-standard"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -54,6 +56,18 @@ def test_every_field_the_openai_client_sends_is_known():
     for params, body in ((chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest),
                          (completion_create_params.CompletionCreateParamsBase, CompletionRequest)):
         assert set(typing.get_type_hints(params)) <= set(body.model_fields)
+
+
+def test_priority_and_service_tier_as_a_lane():
+    assert asked_tier(None, None) == ("standard", None, "service_tier")
+    assert asked_tier("flex", None) == ("batch", "flex", "service_tier")
+    assert asked_tier(None, -3) == ("fast", -3, "priority")
+    assert asked_tier("auto", 2) == ("batch", 2, "priority")
+    assert asked_tier("auto", 0) == ("standard", "auto", "service_tier")  # 0 is vLLM's default: auto may fall back
+    assert asked_tier("priority", -1) == ("fast", -1, "priority")
+    with pytest.raises(APIError) as refused:
+        asked_tier("priority", 0)
+    assert refused.value.status == 400 and refused.value.param == "priority"
 
 
 def _finished_in(server, tier: str) -> float:
