@@ -248,8 +248,9 @@ def test_common_vllm_fields_at_their_defaults_are_accepted(client):
                     repetition_penalty=1.0, truncate_prompt_tokens=None)
     plain = _complete(client).choices[0].text
     assert _complete(client, **defaults, add_special_tokens=True).choices[0].text == plain
-    chat = _chat(client, **defaults, add_special_tokens=False, documents=None, chat_template=None, mm_processor_kwargs=None, echo=False,
-                 add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={})
+    chat = _chat(client, **defaults, add_special_tokens=False, documents=None, chat_template=None,
+                 mm_processor_kwargs=None, echo=False, add_generation_prompt=True, continue_final_message=False,
+                 chat_template_kwargs={}, include_reasoning=True)
     assert chat.choices[0].message.content == _chat(client).choices[0].message.content
 
 
