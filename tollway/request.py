@@ -228,6 +228,8 @@ class Request:
         """The tokens it may not sample next: its stops, until it has min_tokens; and the last
         token of each bad word whose other tokens end its output."""
         params, output = self.params, self.output_token_ids
+        if len(output) >= params.min_tokens and not params.bad_words_token_ids:
+            return ()  # most requests, every step (a simulation asks millions of times)
         banned: tuple[int, ...] = ()
         if len(output) < params.min_tokens:
             eos = () if params.ignore_eos else self.eos_token_ids
