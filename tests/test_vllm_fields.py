@@ -270,11 +270,20 @@ def test_unhonoured_vllm_fields_are_refused_by_name_with_why(client, field, valu
 
 
 @pytest.mark.parametrize("field, value", [("min_p", 1.5), ("repetition_penalty", 0), ("allowed_token_ids", [10**9]),
-                                          ("truncate_prompt_tokens", 0), ("top_k", -2)])
+                                          ("truncate_prompt_tokens", 0), ("top_k", -2), ("bad_words", [""]),
+                                          ("priority", "high")])
 def test_bad_vllm_values_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as refused:
         _complete(client, max_tokens=2, **{field: value})
     assert refused.value.param == field
+
+
+def test_a_bad_word_that_is_not_unicode_is_refused_by_name(server):
+    # JSON's "\ud800" escape parses to a lone surrogate, which no UTF-8 holds (the openai client cannot send it)
+    body = '{"model": "%s", "prompt": "x", "max_tokens": 1, "bad_words": ["\\ud800"]}' % MODEL
+    response = httpx.post(server["url"] + "/v1/completions", content=body, timeout=60,
+                          headers={"authorization": f"Bearer {ALL}", "content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"
 
 
 def test_an_unknown_field_is_refused_as_openai_refuses_it(client, server):

@@ -145,8 +145,12 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int
     tokenizes differently after a space, as it follows a word."""
     found: list[list[int]] = []
     for word in words:
-        alone = tokenizer.encode(word, add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        try:
+            alone = tokenizer.encode(word, add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"bad_words has a word that is not valid Unicode text: {e.reason}",
+                           param="bad_words") from None
         if not alone:
             raise APIError(400, f"bad_words has a word with no tokens: {word!r}", param="bad_words")
         found += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
