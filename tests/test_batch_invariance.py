@@ -75,3 +75,20 @@ def test_requests_scoring_their_prompts_change_no_greedy_result(make_engine, ker
     assert [finals[i].token_ids for i in ids] == alone[:len(some)]
     assert all(len(finals[i].prompt_logprobs) == len(finals[i].prompt_token_ids) for i in ids[::2])
     assert all(finals[i].prompt_logprobs is None for i in ids[1::2])
+
+
+# vLLM's sampling fields: repetition_penalty moves greedy rows off the LM head's pruned argmax;
+# seeded rows draw after min_p and top_k.
+VLLM_PARAMS = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+               SamplingParams(temperature=0.8, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=7, max_tokens=6,
+                              ignore_eos=True)]
+
+
+@pytest.mark.parametrize("params", VLLM_PARAMS, ids=["greedy", "seeded"])
+def test_vllm_sampling_fields_match_alone(make_engine, run_to_completion, kernel, prompts, params):
+    few = prompts[:8]
+    engine = make_engine(kernel=kernel)
+    alone = [run_to_completion(engine, [p], params)[0][0].token_ids for p in few]
+    outs, plans = run_to_completion(engine, few, params)
+    assert max(len(p.seqs) for p in plans) == len(few)
+    assert [o.token_ids for o in outs] == alone

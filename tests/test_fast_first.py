@@ -77,3 +77,10 @@ def test_a_spaced_priority_field_counts_and_other_routes_and_large_bodies_go_by(
     # Not a generation route, or too large to read ahead: admitted in arrival order, unread.
     assert entered[:3] == [1, 2, 3] and entered[3] == 0
     assert read == {i: (b, "http.disconnect") for i, (_, b) in enumerate(requests)}
+
+
+def test_a_negative_vllm_priority_is_fast_and_others_are_not():
+    requests = [("/v1/completions", body(None, priority=0)), ("/v1/completions", body(None, priority=3)),
+                ("/v1/chat/completions", body(None, priority=-2)), ("/v1/completions", body(None, priority=-10))]
+    entered, _ = burst(requests)
+    assert entered[:2] == [2, 3] and sorted(entered[2:]) == [0, 1]

@@ -23,7 +23,9 @@ def _seq(params: SamplingParams, position: int = 10, rid: str = "r") -> Schedule
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0, draw=None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.tensor([sample(logits.unsqueeze(0), [_seq(params)], gen, draw)[0][0].token_id for _ in range(n)])
+    # sample() adjusts the logits in place (min_p, allowed_token_ids): each draw gets its own copy
+    return torch.tensor([sample(logits.unsqueeze(0).clone(), [_seq(params)], gen, draw)[0][0].token_id
+                         for _ in range(n)])
 
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -98,6 +100,10 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     (dict(presence_penalty=-3), "presence_penalty"),
     (dict(logit_bias={5: 101}), "logit_bias"),
     (dict(logit_bias={100: 1}), "logit_bias"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[100]), "allowed_token_ids"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -178,13 +184,13 @@ def test_without_a_compiler_sampling_runs_on_torch(tmp_path, monkeypatch, caplog
 
 
 def _adjusted_by_definition(row: torch.Tensor, generated: list[int], params: SamplingParams) -> torch.Tensor:
-    """OpenAI's definition, token by token."""
+    """OpenAI's definition, token by token, after logit_bias as in vLLM."""
     want = row.clone()
+    for token, bias in params.logit_bias.items():
+        want[token] += bias
     for token in set(generated):
         count = generated.count(token)
         want[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
-    for token, bias in params.logit_bias.items():
-        want[token] += bias
     return want
 
 
@@ -225,3 +231,101 @@ def test_greedy_rows_with_a_penalty_or_bias_take_the_adjusted_argmax():
     assert not only_argmax_needed([biased]) and not only_argmax_needed([penalized])
     assert sample(logits.clone(), [biased], torch.Generator())[0][0].token_id == 1
     assert sample(logits.clone(), [penalized], torch.Generator())[0][0].token_id == 1
+
+
+def _repetition_by_definition(row: torch.Tensor, seen: set[int], penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor (vLLM's too), in float64."""
+    want = row.double().clone()
+    for t in seen:
+        want[t] = want[t] / penalty if want[t] > 0 else want[t] * penalty
+    return want
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 4.0])
+def test_repetition_penalty_follows_the_definition_over_prompt_output_and_drafts(penalty):
+    """Prompt and output tokens (seen_token_ids), and per row the drafts before it, are divided
+    where positive and multiplied where not; nothing else moves."""
+    params = SamplingParams(temperature=0, repetition_penalty=penalty)
+    seen = {3, 9, 11, 20}
+    seq = ScheduledSeq("r", "standard", (11, 5, 31), 20, (0,), True, params, num_draft=2, seen_token_ids=seen)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
+    got = logits.clone()
+    adjust_logits(got, [seq])
+    for i, drafts in enumerate([(), (5,), (5, 31)]):
+        want = _repetition_by_definition(logits[i], seen | set(drafts), penalty)
+        assert torch.allclose(got[i].double(), want, rtol=1e-6, atol=0)
+        assert torch.equal(got[i, 40:], logits[i, 40:])
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_most_likely_after_temperature():
+    """min_p's logit-space floor against its definition on probabilities, in float64."""
+    gen = torch.Generator().manual_seed(6)
+    for temperature, min_p in [(1.0, 0.1), (0.5, 0.05), (1.7, 0.3), (1.0, 1.0)]:
+        row = torch.randn(1000, generator=gen) * 2
+        got = row.clone().unsqueeze(0)
+        adjust_logits(got, [_seq(SamplingParams(temperature=temperature, min_p=min_p))])
+        probs = torch.softmax(row.double() / temperature, dim=-1)
+        keep = probs >= min_p * probs.max()
+        assert torch.equal(~torch.isinf(got[0]), keep)
+        assert torch.equal(got[0][keep], row[keep])
+
+
+@DRAWS
+def test_min_p_restricts_what_is_drawn(draw):
+    # softmax(LOGITS) ~ [.56, .21, .13, .08, .03, .004]: min_p 0.3 keeps tokens 0 and 1 (0.37 of the top)
+    draws = _draws(LOGITS, SamplingParams(temperature=1.0, min_p=0.3), 400, draw=draw)
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_greedy_rows_with_repetition_penalty_or_allowed_tokens_take_the_adjusted_argmax():
+    """Greedy is the argmax after the penalties (as vLLM's), so these rows skip the raw-argmax path;
+    min_p cannot move an argmax, so it keeps it."""
+    logits = LOGITS.clone().unsqueeze(0)  # argmax 0, then 1
+    penalized = _seq(SamplingParams(temperature=0, repetition_penalty=3.0))._replace(seen_token_ids={0})
+    allowed = _seq(SamplingParams(temperature=0, allowed_token_ids=[2, 4]))
+    assert not only_argmax_needed([penalized]) and not only_argmax_needed([allowed])
+    assert only_argmax_needed([_seq(SamplingParams(temperature=0, min_p=0.5))])
+    assert sample(logits.clone(), [penalized], torch.Generator())[0][0].token_id == 1  # 2/3 < 1
+    assert sample(logits.clone(), [allowed], torch.Generator())[0][0].token_id == 2
+
+
+@DRAWS
+def test_allowed_token_ids_bound_what_is_drawn(draw):
+    draws = _draws(LOGITS, SamplingParams(temperature=2.0, allowed_token_ids=[3, 5]), 300, draw=draw)
+    assert set(draws.tolist()) == {3, 5}
+
+
+def test_rows_with_every_vllm_adjustment_are_the_same_alone_or_in_a_batch():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, 300, generator=gen)
+    seqs = [_seq(SamplingParams(temperature=0.1 * i, repetition_penalty=1 + 0.2 * i, min_p=0.02 * i,
+                                frequency_penalty=0.1 * i, allowed_token_ids=list(range(i, 300, 2)) if i % 2 else None),
+                 rid=str(i))._replace(seen_token_ids=set(torch.randint(0, 300, (10 * i,), generator=gen).tolist()),
+                                      output_counts={i: 2}) for i in range(8)]
+    batched = logits.clone()
+    adjust_logits(batched, seqs)
+    for i, seq in enumerate(seqs):
+        alone = logits[i:i + 1].clone()
+        adjust_logits(alone, [seq])
+        assert torch.equal(batched[i], alone[0])
+    assert not torch.equal(batched[7], logits[7])
+
+
+def test_bad_words_ban_their_last_token_after_the_rest():
+    from tollway.request import Request
+
+    request = Request("r", [1, 2], SamplingParams(bad_words_token_ids=[[7], [4, 5, 6]]))
+    assert request.banned_tokens() == (7,)
+    request.add_output([4, 5])
+    assert request.banned_tokens() == (7, 6)
+    request.add_output([9])
+    assert request.banned_tokens() == (7,)
+
+
+def test_a_request_tracks_its_prompt_and_output_tokens_only_for_repetition_penalty():
+    from tollway.request import Request
+
+    assert Request("a", [1, 2], SamplingParams()).seen_token_ids is None
+    request = Request("b", [1, 2, 2], SamplingParams(repetition_penalty=1.2))
+    request.add_output([5, 1])
+    assert request.seen_token_ids == {1, 2, 5}

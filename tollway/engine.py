@@ -160,7 +160,8 @@ class Engine:
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids if self.tokenizer else ()), grammar=grammar,
                           tab=tab, listener=listener)
         if self.tokenizer is not None or grammar is not None:
-            stream = TextStream(IncrementalDetokenizer(self.tokenizer), params.stop) if self.tokenizer else None
+            stream = TextStream(IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                                params.stop, params.include_stop_str_in_output) if self.tokenizer else None
             request.follower = TextAndGrammar(stream, grammar)
         self.scheduler.add(request)
         return request.request_id

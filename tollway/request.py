@@ -65,6 +65,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's (and transformers'): the logit of every token in the prompt or the output so far is
+    # divided by it where positive, multiplied where not. 1 disables. Greedy rows too.
+    repetition_penalty: float = 1.0
+    # vLLM's: a sampled row drops the tokens less likely than min_p times its most likely one
+    # (after temperature). Argmax never changes, so greedy rows ignore it. 0 disables.
+    min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    # Token sequences never generated (vLLM's bad_words, tokenized): a sequence's last token is
+    # banned wherever the output ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    skip_special_tokens: bool = True  # in the output text
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     # An llguidance grammar (llguidance.LLMatcher.grammar_from_json_schema and the like): every token
     # generated follows it, and the request stops when it is complete. The server makes one from
     # response_format and tools.
@@ -94,12 +106,20 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (all(isinstance(t, int) and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias",
              "logit_bias must map token ids to biases in [-100, 100]"),
+            (0 < self.repetition_penalty < float("inf"), "repetition_penalty",
+             f"repetition_penalty must be a finite number > 0 (1 disables), got {self.repetition_penalty!r}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "allowed_token_ids must not be empty"),
+            (all(word for word in self.bad_words_token_ids), "bad_words", "bad_words must not be empty strings"),
         ]
         if vocab_size is not None:
             checks.append((all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                            f"stop_token_ids must be in [0, {vocab_size})"))
             checks.append((all(0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
                            f"logit_bias token ids must be in [0, {vocab_size})"))
+            checks.append((all(isinstance(t, int) and 0 <= t < vocab_size for t in self.allowed_token_ids or ()),
+                           "allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size})"))
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
@@ -114,8 +134,16 @@ class SamplingParams:
         return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
+    def penalizes_seen(self) -> bool:
+        """Whether the sampler needs the tokens of the prompt and the output (repetition_penalty)."""
+        return self.repetition_penalty != 1.0
+
+    @property
     def adjusts_logits(self) -> bool:
-        return self.penalizes_repeats or bool(self.logit_bias) or self.grammar is not None
+        """Whether a row's argmax may differ from the raw logits' (so the greedy fast path, the LM
+        head's pruned argmax, does not serve it). min_p never moves the argmax."""
+        return (self.penalizes_repeats or self.penalizes_seen or bool(self.logit_bias) or self.grammar is not None
+                or self.allowed_token_ids is not None)
 
 
 @dataclass(frozen=True)
@@ -174,6 +202,8 @@ class Request:
     steps_to_first_token: int | None = None
     # How often each token was generated, kept as tokens come where penalties count them
     output_counts: dict[int, int] | None = field(default=None, init=False, repr=False)
+    # The distinct tokens of its prompt and output, kept where repetition_penalty counts them
+    seen_token_ids: set[int] | None = field(default=None, init=False, repr=False)
     # What follows its output outside the scheduler, set by the engine: its text (stop strings)
     # and its grammar, asked at each committed token whether the request must finish.
     follower: OutputFollower | None = field(default=None, repr=False)
@@ -187,6 +217,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.penalizes_repeats:
             self.output_counts = {}
+        if self.params.penalizes_seen:
+            self.seen_token_ids = set(self.prompt_token_ids)
 
     def add_output(self, token_ids: Iterable[int]) -> None:
         """Append generated tokens."""
@@ -196,14 +228,23 @@ class Request:
         if counts is not None:
             for t in output[before:]:
                 counts[t] = counts.get(t, 0) + 1
+        if self.seen_token_ids is not None:
+            self.seen_token_ids.update(output[before:])
 
     def banned_tokens(self) -> tuple[int, ...]:
-        """The tokens it may not sample yet: its stops, until it has min_tokens."""
-        params = self.params
-        if len(self.output_token_ids) >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else self.eos_token_ids
-        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        """The tokens it may not sample next: its stops, until it has min_tokens; and the last
+        token of each bad word whose other tokens end its output."""
+        params, output = self.params, self.output_token_ids
+        if len(output) >= params.min_tokens and not params.bad_words_token_ids:
+            return ()  # most requests, every step (a simulation asks millions of times)
+        banned: tuple[int, ...] = ()
+        if len(output) < params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            banned = (*eos, *params.stop_token_ids)
+        for *before, last in params.bad_words_token_ids:
+            if not before or (len(output) >= len(before) and output[len(output) - len(before):] == before):
+                banned += (last,)
+        return tuple(dict.fromkeys(banned))
 
     def stop_reason(self, token_id: int, max_len: int) -> str | None:
         """Why the request finishes with `token_id`, its latest output, or None. `max_len`: the

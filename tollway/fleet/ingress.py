@@ -34,7 +34,7 @@ from tollway.server import errors
 from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
 from tollway.server.errors import APIError
-from tollway.server.service_tier import tier_for
+from tollway.server.service_tier import asked_tier
 
 _FORWARD = ("authorization", "content-type", "x-tollway-tags")
 _RETURN = ("content-type", "x-tollway-cost", "retry-after", "x-request-id", "x-should-retry",
@@ -83,7 +83,7 @@ class Ingress:
         headers |= {CALL_ID: new_call_id(), FLEET_SECRET: fleet.secret}
         try:
             parsed = json.loads(body)
-            tier = tier_for(parsed.get("service_tier"))
+            tier, _, _ = asked_tier(parsed.get("service_tier"), parsed.get("priority"))
             text = prompt_text(parsed)
             max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens") or (
                 _UNSPECIFIED_MAX_TOKENS if "messages" in parsed else 16)

@@ -1,11 +1,13 @@
-"""Turn one step's logits into tokens: min_tokens' bans, repetition penalties, logit_bias and
-grammars' masks, then greedy, temperature, top-k, top-p, seeds, logprobs, and the verification of speculative drafts.
+"""Turn one step's logits into tokens: allowed tokens, bans (min_tokens, bad words), logit_bias,
+repetition penalties, grammars' masks and min_p, then greedy, temperature, top-k, top-p, seeds,
+logprobs, and the verification of speculative drafts.
 
 A sampled row without drafts is drawn in one native call for the whole step where sampling.c
 compiles (`NativeDraw`); torch does the same draw otherwise, and for drafts."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -94,25 +96,43 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Gene
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[ScheduledSeq], masks: dict[str, torch.Tensor] | None = None) -> None:
-    """In place, each seq's rows: min_tokens' bans, then its penalties and logit_bias, then its
-    grammar's mask. A row's adjustment depends on its own request alone, so batching never
-    changes it."""
+    """In place, each seq's rows, in vLLM's order: allowed_token_ids, bans (min_tokens, bad
+    words) and logit_bias, then the penalties (repetition, then frequency and presence), then its
+    grammar's mask, then min_p on a sampled row. A row's adjustment depends on its own request
+    alone, so batching never changes it."""
     row = 0
     for seq in seqs:
         rows = logits[row:row + seq.num_logit_rows]
-        if seq.banned_token_ids:  # min_tokens not reached: EOS and stop ids are off the table
-            rows[:, list(seq.banned_token_ids)] = float("-inf")
         p = seq.params
-        if p.penalizes_repeats:
-            for i in range(len(rows)):  # row i samples after the first i drafts: they count too
-                _penalize(rows[i], seq.output_counts or {}, seq.drafts[:i], p.presence_penalty, p.frequency_penalty)
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(rows.shape[-1], dtype=torch.bool, device=logits.device)
+            allowed[p.allowed_token_ids] = True
+            rows.masked_fill_(~allowed, float("-inf"))
+        if seq.banned_token_ids:  # min_tokens not reached, or a bad word's last token
+            rows[:, list(seq.banned_token_ids)] = float("-inf")
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        for i in range(len(rows)) if p.penalizes_seen or p.penalizes_repeats else ():
+            drafts = seq.drafts[:i]  # row i samples after the first i drafts: they count too
+            if p.penalizes_seen:
+                _penalize_seen(rows[i], seq.seen_token_ids or set(), drafts, p.repetition_penalty)
+            if p.penalizes_repeats:
+                _penalize(rows[i], seq.output_counts or {}, drafts, p.presence_penalty, p.frequency_penalty)
         allowed = masks.get(seq.request_id) if masks else None
         if allowed is not None:  # a grammar's seq samples one row: it has no drafts
             rows.masked_fill_(~allowed.to(logits.device), float("-inf"))
+        if p.min_p and not p.greedy:
+            _min_p(rows, p.min_p, p.temperature)
         row += seq.num_logit_rows
+
+
+def _penalize_seen(row: torch.Tensor, seen: set[int], drafts: tuple[int, ...], penalty: float) -> None:
+    """vLLM's repetition_penalty: the logit of each token in the prompt or output (and the drafts
+    before the row) divided by `penalty` where positive, multiplied by it where not."""
+    ids = torch.tensor(list(seen.union(drafts)), dtype=torch.int64, device=row.device)
+    picked = row[ids]
+    row[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
 def _penalize(row: torch.Tensor, counts: dict[int, int], drafts: tuple[int, ...], presence: float,
@@ -126,6 +146,13 @@ def _penalize(row: torch.Tensor, counts: dict[int, int], drafts: tuple[int, ...]
     if counts:
         ids = torch.tensor(list(counts), device=row.device)
         row[ids] -= presence + frequency * torch.tensor(list(counts.values()), device=row.device, dtype=row.dtype)
+
+
+def _min_p(rows: torch.Tensor, min_p: float, temperature: float) -> None:
+    """vLLM's min_p, in logit space: p_t < min_p * p_max after temperature T is
+    logit_t < logit_max + T * log(min_p), so no softmax is needed."""
+    floor = rows.max(dim=-1, keepdim=True).values + temperature * math.log(min_p)
+    rows.masked_fill_(rows < floor, float("-inf"))
 
 
 def _draw_plain(logits: torch.Tensor, seqs: list[ScheduledSeq], generator: torch.Generator,

@@ -29,7 +29,7 @@ class ScheduledSeq(NamedTuple):
     sample: bool
     params: SamplingParams
     num_draft: int = 0
-    banned_token_ids: tuple[int, ...] = ()  # not to be sampled this step (min_tokens not reached)
+    banned_token_ids: tuple[int, ...] = ()  # not to be sampled this step (min_tokens, bad words)
     # How often the request generated each token before this step, where its penalties count
     # them: the request's own, not a copy (it changes only when the step that holds it commits).
     output_counts: dict[int, int] | None = None
@@ -38,6 +38,9 @@ class ScheduledSeq(NamedTuple):
     # Prompt logprobs: the prompt tokens that follow the chunk's first len(scored_ids) positions,
     # whose logits the step scores them by (Request.prompt_to_score); empty for most.
     scored_ids: tuple[int, ...] = ()
+    # Its prompt's and output's distinct tokens before this step, where repetition_penalty counts
+    # them (the request's own, like output_counts).
+    seen_token_ids: set[int] | None = None
 
     @property
     def drafts(self) -> tuple[int, ...]:

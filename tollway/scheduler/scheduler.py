@@ -314,7 +314,7 @@ class Scheduler:
         k_max = min(self.config.speculative_tokens, step.tokens_left - 1,
                     request.params.max_tokens - len(request.output_token_ids) - 1,
                     self.max_len(request.tier) - 1 - request.num_tokens)
-        if k_max <= 0 or request.params.grammar is not None:  # a grammar masks one token at a time
+        if k_max <= 0 or request.params.grammar is not None or request.params.bad_words_token_ids:  # one at a time
             return []
         entry = self._entries[request.request_id]
         entry.drafter = entry.drafter or Drafter()
@@ -379,7 +379,7 @@ class Scheduler:
         return ScheduledSeq(request.request_id, request.tier, request.token_slice(start, start + n) + tuple(drafts),
                             start, self.pool.table(request.request_id), start + n == request.num_tokens,
                             request.params, len(drafts), request.banned_tokens(), request.output_counts, request.grammar,
-                            request.tab, scored)
+                            request.tab, scored, request.seen_token_ids)
 
     def _allocate(self, request: Request, num_tokens: int) -> bool:
         before = len(self.pool.table(request.request_id))

@@ -23,7 +23,7 @@ from tollway.server.keep_alive import with_keep_alive
 from tollway.server.protocol import ChatCompletionRequest, CompletionRequest
 from tollway.server.responses import chunk_choice, event
 from tollway.server.service import Service, caller, service
-from tollway.server.service_tier import tier_for
+from tollway.server.service_tier import asked_tier
 
 router = APIRouter()
 
@@ -58,11 +58,12 @@ async def _serve(svc: Service, request: Request, req: CompletionRequest | ChatCo
 
 async def _respond(svc: Service, req: CompletionRequest | ChatCompletionRequest, key: KeySpec | None,
                    tags_header: str | None, call: str | None, timing: CallTiming, timing_asked: bool) -> Response:
-    tier = svc.gatekeeper.entitled_tier(key, tier_for(req.service_tier), req.service_tier)
+    tier = svc.gatekeeper.entitled_tier(key, *asked_tier(req.service_tier, req.priority))
     sub = svc.validate(req, tags_header)
     timing.validated = time.monotonic()
-    gen, headers = await svc.start(sub, tier, key, call,
-                                   canary_eligible=svc.canary.eligible(key, sub.tags, req.service_tier), timing=timing)
+    # a priority other than 0 chose its lane: the canary promotes only calls that left it to the server
+    eligible = not req.priority and svc.canary.eligible(key, sub.tags, req.service_tier)
+    gen, headers = await svc.start(sub, tier, key, call, canary_eligible=eligible, timing=timing)
     gen.timing_asked = timing_asked
     headers["x-request-id"] = gen.id
     if req.stream:

@@ -3,6 +3,7 @@ OpenAI would use, for every way a request can go wrong, including FastAPI's own.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,21 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+def invalid_body(problems: Sequence[dict]) -> APIError:
+    """A body pydantic refused (its first problem) as a 400 naming the field. A field no one
+    knows gets OpenAI's own words for it."""
+    first = problems[0] if problems else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", code="invalid_value")
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)[:100]}", param=loc[0][:100])
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+    if "input" in first and not isinstance(first["input"], dict | list):
+        message += f" (got {json.dumps(first['input'], default=str)[:100]})"
+    return APIError(400, message, param=loc[0] if loc else None, code="invalid_value")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -38,16 +54,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = "the request body is not valid JSON", None
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-            param = loc[0] if loc else None
-            if "input" in first and not isinstance(first["input"], dict | list):
-                message += f" (got {json.dumps(first['input'], default=str)[:100]})"
-        return JSONResponse(error_body(400, message, param, "invalid_value"), status_code=400)
+        return error_response(invalid_body(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

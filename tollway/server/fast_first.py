@@ -4,10 +4,11 @@ another, in arrival order: a fast request sent among 64 others waited for most o
 milliseconds, before the scheduler saw it.
 
 This middleware reads a generation request's body before the route does (and hands it on
-unchanged) and looks for the priority tier in it. A request that does not ask for it yields the
-loop once before its admission, so every fast request that arrived in the same moment is
-admitted first. The look is a pattern on the raw bytes, not a parse: a parse would double the
-work this saves, and a fast request the pattern misses is only admitted in its arrival order.
+unchanged) and looks for the priority tier in it (service_tier, or vLLM's negative priority). A
+request that does not ask for it yields the loop once before its admission, so every fast
+request that arrived in the same moment is admitted first. The look is a pattern on the raw
+bytes, not a parse: a parse would double the work this saves, and a fast request the pattern
+misses is only admitted in its arrival order.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ROUTES = {"/v1/chat/completions", "/v1/completions"}
 # a large body before the route's own checks.
 MAX_PEEK_BYTES = 1 << 20
 _FAST = re.compile(rb'"service_tier"\s*:\s*"(' + b"|".join(
-    name.encode() for name, tier in TIER_OF.items() if tier == "fast") + rb')"')
+    name.encode() for name, tier in TIER_OF.items() if tier == "fast") + rb')"|"priority"\s*:\s*-[1-9]')
 
 
 class FastFirst:

@@ -113,15 +113,16 @@ class Gatekeeper:
         return key
 
     @staticmethod
-    def entitled_tier(key: KeySpec | None, tier: str, wire: str | None) -> str:
-        """The tier to serve: the asked one if the key may use it; `auto` falls back to standard."""
+    def entitled_tier(key: KeySpec | None, tier: str, wire: str | int | None, param: str = "service_tier") -> str:
+        """The tier to serve: the asked one if the key may use it; `auto` falls back to standard.
+        `wire`: what asked for it, the value of the field `param` (service_tier.asked_tier)."""
         if key is None or tier in key.tiers:
             return tier
         if wire == "auto" and "standard" in key.tiers:
             return "standard"
         allowed = ", ".join(t for t in TIERS if t in key.tiers)
-        raise APIError(403, f"this API key may not use the {tier} lane (service_tier={wire!r}); it may use: {allowed}",
-                       param="service_tier", code="tier_not_allowed")
+        raise APIError(403, f"this API key may not use the {tier} lane ({param}={wire!r}); it may use: {allowed}",
+                       param=param, code="tier_not_allowed")
 
     def key_of(self, owner: str) -> KeySpec | None:
         """The key a Batch API owner (owner_of) names, if it still exists; None for the open server's."""

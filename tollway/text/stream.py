@@ -1,15 +1,17 @@
 """A request's generated text as it streams: incremental detokenizing plus stop strings.
 
 Text that might be the start of a stop string is held back until it cannot be,
-so a streamed reply never shows part of a stop string (OpenAI leaves it out).
+so a streamed reply never shows part of a stop string (OpenAI leaves it out; vLLM's
+include_stop_str_in_output keeps the one that ended it).
 """
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, detokenizer, stop: list[str]):
+    def __init__(self, detokenizer, stop: list[str], include_stop: bool = False):
         self.detokenizer = detokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # everything decoded so far
         self.released = 0  # chars of self.text already handed out
@@ -20,9 +22,10 @@ class TextStream:
         before = len(self.text)
         self.text += self.detokenizer.push(token_id)
         search_from = max(0, before - self.holdback)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + length if self.include_stop else at]
             self.stopped = True
         return self.stopped
 
