@@ -32,7 +32,7 @@ from tollway.fleet.ingress import create_ingress
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import ReplicaSpec
-from tollway.fleet.router import ReplicaState, Router
+from tollway.fleet.router import ReplicaState, Router, RoutingHint
 from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
 from tollway.server.keep_alive import COMMENT
@@ -239,7 +239,7 @@ class InOrder(Rayless):
 
 
 def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
-    """A replica whose completions stream these events, each on its own, then ends or dies."""
+    """A replica whose completions and responses stream these events, each on its own, then end or die."""
     app = FastAPI()
 
     @app.get("/health")
@@ -247,6 +247,7 @@ def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
         return {"status": "ok"}  # alive: the ingress retries without killing it
 
     @app.post("/v1/completions")
+    @app.post("/v1/responses")
     async def completions() -> StreamingResponse:
         async def stream():
             for e in events:
@@ -275,6 +276,62 @@ def test_keep_alive_comments_are_not_an_answer_and_the_call_is_retried_after_the
     finally:
         for s in servers:
             next(s, None)
+
+
+class Recording(Rayless):
+    """Places each call on replica 0, keeping the hint the router was given."""
+
+    def __init__(self, urls: list[str]):
+        super().__init__(urls)
+        self.hints: list[RoutingHint] = []
+
+    async def route(self, hint):
+        self.hints.append(hint)
+        return self.router.replicas[0]
+
+
+def test_a_response_is_routed_by_its_input_tier_and_output_allowance():
+    servers = [serving(sse_replica(["event: response.completed\ndata: {}\n\n"]))]
+    fleet = Recording([next(s) for s in servers])
+    instructions, items = "Answer in French.", [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            for body in ({"input": "Bonjour " * 100, "service_tier": "priority"},
+                         {"instructions": instructions, "input": items, "max_output_tokens": 40, "service_tier": "flex"}):
+                assert ingress.post("/v1/responses", json={"model": MODEL, "stream": True, **body}).status_code == 200
+    finally:
+        for s in servers:
+            next(s, None)
+    fast, batch = fleet.hints
+    assert (fast.tier, fast.prompt_text, fast.tokens) == ("fast", "Bonjour " * 100, 200 + 256)  # 256: the guess
+    assert batch.tier == "batch" and batch.prompt_text == instructions + json.dumps(items)
+    assert batch.tokens == len(batch.prompt_text) // 4 + 40
+
+
+def test_a_response_stream_whose_replica_dies_ends_with_a_responses_error_event():
+    """Replica 0 answers nothing but a comment and dies: the call goes to replica 1, which dies
+    after two events; the client's stream ends with the Responses API's error event, numbered
+    after them, which the openai client parses."""
+    begun = [f'event: {kind}\ndata: {{"type": "{kind}", "sequence_number": {n}, "response": {{"id": "resp_1", '
+             '"object": "response", "created_at": 0, "model": "m", "output": [], "parallel_tool_calls": true, '
+             '"tool_choice": "auto", "tools": [], "status": "in_progress"}}\n\n'
+             for n, kind in enumerate(("response.created", "response.in_progress"))]
+    servers = [serving(sse_replica([COMMENT], dies=True)), serving(sse_replica(begun, dies=True))]
+    fleet = InOrder([next(s) for s in servers])
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=ingress,
+                                   max_retries=0)
+            raw = client.responses.with_raw_response.create(model=MODEL, input="hi", stream=True)
+            assert raw.headers["x-tollway-replica"] == "1"
+            events = list(raw.parse())
+    finally:
+        for s in servers:
+            next(s, None)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
+    error = events[-1]
+    assert (error.code, error.sequence_number) == ("replica_failed", 2)
+    assert "replica 1 failed mid-stream" in error.message
 
 
 @pytest.fixture(scope="module")
