@@ -210,6 +210,41 @@ def test_previous_response_id_continues_the_conversation_of_its_key_only(alice, 
         alice.responses.retrieve(first.id)
 
 
+def test_input_items_list_a_responses_own_input_in_pages_for_its_key_only(alice, bob):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone":"UTC"}'}
+    items = [{"role": "user", "content": "What time is it?"}, call,
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+             {"type": "message", "id": "msg_mine", "role": "user", "content": [{"type": "input_text", "text": "Say "},
+                                                                              {"type": "input_text", "text": "it."}]}]
+    r = alice.responses.create(model=MODEL, input=items, tools=[TIME], tool_choice="none", max_output_tokens=2)
+    listed = alice.responses.input_items.list(r.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "function_call", "function_call_output", "message"]
+    assert (listed[0].role, listed[0].content[0].type, listed[0].content[0].text) == (
+        "user", "input_text", "What time is it?")
+    assert (listed[1].call_id, listed[1].name, listed[1].arguments) == ("call_1", "get_time", '{"zone":"UTC"}')
+    assert (listed[2].call_id, listed[2].output) == ("call_1", "12:00")
+    assert listed[3].id == "msg_mine" and [p.text for p in listed[3].content] == ["Say ", "it."]
+    ids = [i.id for i in listed]
+    assert len(set(ids)) == 4 and ids[0].startswith("msg_") and ids[1].startswith("fc_")
+    # newest first unless order="asc", in pages: the client walks them to the end
+    page = alice.responses.input_items.list(r.id, limit=3)
+    assert [i.id for i in page.data] == ids[:0:-1] and page.has_more and (page.first_id, page.last_id) == (ids[3], ids[1])
+    assert [i.id for i in alice.responses.input_items.list(r.id, limit=3)] == ids[::-1]
+    rest = alice.responses.input_items.list(r.id, after=ids[1])
+    assert [i.id for i in rest.data] == [ids[0]] and not rest.has_more
+    # a continuation lists its own input, not its previous response's
+    again = alice.responses.create(model=MODEL, input="Thanks.", previous_response_id=r.id, max_output_tokens=2)
+    [thanks] = alice.responses.input_items.list(again.id).data
+    assert (thanks.role, thanks.content[0].text) == ("user", "Thanks.")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(r.id)
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"),
+                          ({"include": ["message.input_image.image_url"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.responses.input_items.list(r.id, **params)
+        assert e.value.body["param"] == param
+
+
 def test_store_false_is_not_kept(alice):
     r = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
     assert r.store is False
@@ -217,6 +252,8 @@ def test_store_false_is_not_kept(alice):
         alice.responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError):
         alice.responses.create(model=MODEL, input="Again", previous_response_id=r.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.input_items.list(r.id)
 
 
 @pytest.mark.parametrize("body, param", [
