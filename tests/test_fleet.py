@@ -575,6 +575,40 @@ def test_every_replica_serves_the_batch_api_and_runs_its_jobs(fleet):
         assert sorted(json.loads(x)["custom_id"] for x in output) == [f"r{i}-{n}" for n in range(3)]
 
 
+def test_responses_are_routed_and_continued_on_either_replica_through_the_shared_ledger(fleet):
+    """The ingress routes a response (x-tollway-replica) and each replica keeps it in the ledger
+    the fleet shares: it is continued on the other replica, then streamed through the ingress,
+    and read and listed wherever the ingress sends those calls."""
+    def fast_routed() -> float:  # the router's count of fast requests placed
+        return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(fleet["url"] + "/metrics").text.splitlines()
+                   if line.startswith("tollway:router_requests_total{") and 'tier="fast"' in line)
+
+    ingress, routed = client(fleet), fast_routed()
+    raw = ingress.responses.with_raw_response.create(model=MODEL, input="My name is Ada.", max_output_tokens=4,
+                                                     temperature=0, service_tier="priority")
+    made_on, first = int(raw.headers["x-tollway-replica"]), raw.parse()
+    assert first.service_tier == "priority" and fast_routed() == routed + 1
+    other = openai.OpenAI(base_url=fleet["fleet"].router.replicas[1 - made_on].url + "/v1", api_key="unused",
+                          max_retries=0)
+    second = other.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                    max_output_tokens=4, temperature=0)
+    # its prompt is the first turn, its answer and the question
+    alone = other.responses.create(model=MODEL, input="What is my name?", max_output_tokens=1, store=False)
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    with ingress.responses.stream(model=MODEL, input="Spell it.", previous_response_id=second.id,
+                                  max_output_tokens=4, temperature=0) as stream:
+        events = list(stream)
+    third = events[-1].response
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert third.previous_response_id == second.id and third.usage.input_tokens > second.usage.input_tokens
+    for response in (first, second, third):
+        assert ingress.responses.retrieve(response.id).output_text == response.output_text
+    [asked] = ingress.responses.input_items.list(second.id).data
+    assert asked.content[0].text == "What is my name?"
+    rows = ledger_rows(fleet)  # one ledger row each, under the response's id
+    assert {"chatcmpl-" + r.id.removeprefix("resp_") for r in (first, second, third)} <= set(rows)
+
+
 def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):
     with ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(stream, fleet, prompt(400 + i, 10), "default", 48, 30.0) for i in range(4)]
