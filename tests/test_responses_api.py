@@ -57,6 +57,17 @@ def test_output_items_close_each_item_before_the_next_opens():
     assert events[0]["item"]["content"] == [] and events[7]["item"]["arguments"] == ""  # as they were when added
 
 
+def test_output_items_hold_a_tokens_logprobs_until_its_text_comes():
+    a, b, c = ({"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []} for t in "abc")
+    items = OutputItems()
+    assert items.add({"content": ""}, [a]) == []  # part of a character: no text yet
+    added, part_added, delta = items.add({"content": "é"}, [b])
+    assert delta["logprobs"] == [a, b] and part_added["part"]["logprobs"] == []
+    assert items.add({"content": ""}, [c]) == []
+    text_done, part_done, _ = items.finish("completed")
+    assert text_done["logprobs"] == part_done["part"]["logprobs"] == items.items[0]["content"][0]["logprobs"] == [a, b, c]
+
+
 @pytest.fixture(scope="module")
 def server(make_engine, tmp_path_factory):
     meter = make_meter(tmp_path_factory.mktemp("responses") / "ledger.sqlite")
@@ -245,6 +256,25 @@ def test_input_items_list_a_responses_own_input_in_pages_for_its_key_only(alice,
         assert e.value.body["param"] == param
 
 
+def test_include_logprobs_gives_the_output_texts_logprobs_on_its_part_and_deltas(alice):
+    asked = dict(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    chat = alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+                                         max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    expected = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    r = alice.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 2 and len(expected) == 6
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in logprobs] == expected
+    assert "".join(e.token for e in logprobs) == r.output_text
+    with alice.responses.stream(**asked, include=["message.output_text.logprobs"], top_logprobs=2) as stream:
+        events = list(stream)
+    deltas = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert [(e.token, e.logprob) for e in deltas] == [(e.token, e.logprob) for e in done.logprobs] == \
+        [(token, logprob) for token, logprob, _ in expected]
+    assert alice.responses.create(**asked).output[0].content[0].logprobs == []  # not asked for
+
+
 def test_store_false_is_not_kept(alice):
     r = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
     assert r.store is False
@@ -260,6 +290,8 @@ def test_store_false_is_not_kept(alice):
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without include's logprobs
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

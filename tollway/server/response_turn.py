@@ -76,7 +76,7 @@ async def whole(turn: Turn) -> dict:
     chat_body = await turn.svc.collect(turn.gen, False)
     items = OutputItems()
     choice = chat_body["choices"][0]
-    items.add(message_delta(choice["message"]))
+    items.add(message_delta(choice["message"]), (choice["logprobs"] or {}).get("content"))
     status = status_of(choice["finish_reason"])
     items.finish(item_status(status))
     return await turn.finish(items, status)
