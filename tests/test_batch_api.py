@@ -254,7 +254,8 @@ def test_a_batch_of_responses_api_lines_outputs_response_objects_kept_for_their_
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
     [line] = [json.loads(x) for x in ann.files.content(done.output_file_id).text.splitlines()]
     body = line["response"]["body"]
-    assert line["custom_id"] == "plain" and line["response"]["request_id"] == body["id"] and body["id"].startswith("resp_")
+    assert line["custom_id"] == "plain" and body["id"].startswith("resp_")
+    assert line["response"]["request_id"] == body["id"]
     assert (body["object"], body["service_tier"], body["instructions"]) == ("response", "flex", "Answer briefly.")
     assert body["usage"]["output_tokens"] == 4 and body["usage"]["cost"] > 0 and body["status"] == "incomplete"
     # The same response as a request of its own: greedy output is the same in the batch lane.

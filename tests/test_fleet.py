@@ -297,7 +297,8 @@ def test_a_response_is_routed_by_its_input_tier_and_output_allowance():
     try:
         with TestClient(create_ingress(fleet)) as ingress:
             for body in ({"input": "Bonjour " * 100, "service_tier": "priority"},
-                         {"instructions": instructions, "input": items, "max_output_tokens": 40, "service_tier": "flex"}):
+                         {"instructions": instructions, "input": items, "max_output_tokens": 40,
+                          "service_tier": "flex"}):
                 assert ingress.post("/v1/responses", json={"model": MODEL, "stream": True, **body}).status_code == 200
     finally:
         for s in servers:

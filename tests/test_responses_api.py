@@ -65,7 +65,8 @@ def test_output_items_hold_a_tokens_logprobs_until_its_text_comes():
     assert delta["logprobs"] == [a, b] and part_added["part"]["logprobs"] == []
     assert items.add({"content": ""}, [c]) == []
     text_done, part_done, _ = items.finish("completed")
-    assert text_done["logprobs"] == part_done["part"]["logprobs"] == items.items[0]["content"][0]["logprobs"] == [a, b, c]
+    assert text_done["logprobs"] == part_done["part"]["logprobs"] == [a, b, c]
+    assert items.items[0]["content"][0]["logprobs"] == [a, b, c]
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +240,8 @@ def test_input_items_list_a_responses_own_input_in_pages_for_its_key_only(alice,
     assert len(set(ids)) == 4 and ids[0].startswith("msg_") and ids[1].startswith("fc_")
     # newest first unless order="asc", in pages: the client walks them to the end
     page = alice.responses.input_items.list(r.id, limit=3)
-    assert [i.id for i in page.data] == ids[:0:-1] and page.has_more and (page.first_id, page.last_id) == (ids[3], ids[1])
+    assert [i.id for i in page.data] == ids[:0:-1] and page.has_more
+    assert (page.first_id, page.last_id) == (ids[3], ids[1])
     assert [i.id for i in alice.responses.input_items.list(r.id, limit=3)] == ids[::-1]
     rest = alice.responses.input_items.list(r.id, after=ids[1])
     assert [i.id for i in rest.data] == [ids[0]] and not rest.has_more

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
-from tollway.fleet.stream_end import stream_end
+from tollway.fleet.stream_end import ChatStreamEnd, ResponsesStreamEnd
 from tollway.server import errors
 from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
@@ -165,7 +165,7 @@ class Ingress:
     async def _relay(self, replica: ReplicaState, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
                      path: str) -> AsyncIterator[bytes]:
         """The replica's stream; if it breaks off before its end, an error event in its shape ends it."""
-        end = stream_end(path)
+        end = ResponsesStreamEnd() if path == RESPONSES else ChatStreamEnd()
         try:
             end.feed(first)
             yield first

@@ -54,7 +54,3 @@ class ResponsesStreamEnd:
         return named_event({"type": "error", "code": _FAILED, "message": message, "param": None,
                             "sequence_number": self.events}).encode()
 
-
-def stream_end(path: str) -> ChatStreamEnd | ResponsesStreamEnd:
-    """The watcher for a stream of POST `path`."""
-    return ResponsesStreamEnd() if path == "/v1/responses" else ChatStreamEnd()

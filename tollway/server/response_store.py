@@ -1,7 +1,7 @@
-"""Responses kept for previous_response_id, GET and DELETE /v1/responses/{id} and its input items: in the ledger's
-database (a SQLite file, or the fleet's PostgreSQL database), each with its conversation as chat
-messages and the API key that made it (keys.owner_of), seen by that key only. Kept 30 days,
-as OpenAI keeps them."""
+"""Responses kept for previous_response_id, GET and DELETE /v1/responses/{id} and its
+input_items: in the ledger's database (a SQLite file, or the fleet's PostgreSQL database), each
+with its conversation as chat messages, its input items and the API key that made it
+(keys.owner_of), seen by that key only. Kept 30 days, as OpenAI keeps them."""
 from __future__ import annotations
 
 import json

@@ -134,7 +134,8 @@ def response_object(response_id: str, created: int, req: ResponsesRequest, model
         "previous_response_id": req.previous_response_id,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": req.tool_choice or "auto",
-        "tools": req.tools or [], "top_logprobs": req.top_logprobs, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "tools": req.tools or [], "top_logprobs": req.top_logprobs,
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled", "usage": usage, "metadata": req.metadata or {}, "service_tier": service_tier,
         "store": stored, "user": req.user, "background": False,
     }
