@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -256,6 +257,10 @@ def test_input_items_list_a_responses_own_input_in_pages_for_its_key_only(alice,
         with pytest.raises(openai.BadRequestError) as e:
             alice.responses.input_items.list(r.id, **params)
         assert e.value.body["param"] == param
+    for query in ({"include": "message.input_image.image_url"}, {"limit": "many"}):
+        refused = httpx.get(f"{alice.base_url}responses/{r.id}/input_items", params=query,
+                            headers={"Authorization": "Bearer sk-alice"})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, next(iter(query)))
 
 
 def test_include_logprobs_gives_the_output_texts_logprobs_on_its_part_and_deltas(alice):

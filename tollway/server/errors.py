@@ -40,6 +40,8 @@ def install(app: FastAPI) -> None:
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if loc[:1] in (["query"], ["path"], ["header"]):  # where it came from: the param is what follows
+            loc = loc[1:]
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
         else:

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from tollway.config import KeySpec
@@ -62,10 +62,11 @@ async def delete_response(response_id: str, key: KeySpec | None = Depends(caller
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, order: str = "desc", after: str | None = None, limit: int = 20,
-                           include: list[str] | None = Query(default=None, alias="include[]"),
-                           key: KeySpec | None = Depends(caller), svc: Service = Depends(service)) -> dict:
-    if include:
+async def list_input_items(request: Request, response_id: str, order: str = "desc", after: str | None = None,
+                           limit: int = 20, key: KeySpec | None = Depends(caller),
+                           svc: Service = Depends(service)) -> dict:
+    # include[]=... as the openai client sends it, or include=...
+    if request.query_params.getlist("include[]") or request.query_params.getlist("include"):
         raise APIError(400, "include is not supported: input items here are text and calls, with nothing more "
                             "to include", param="include")
     items = await asyncio.to_thread(svc.responses.input_items, response_id, owner_of(key)) if svc.responses else None
