@@ -33,6 +33,7 @@ from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import ReplicaSpec
 from tollway.fleet.router import ReplicaState, Router, RoutingHint
+from tollway.fleet.stream_end import ResponsesStreamEnd
 from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
 from tollway.server.keep_alive import COMMENT
@@ -307,6 +308,18 @@ def test_a_response_is_routed_by_its_input_tier_and_output_allowance():
     assert (fast.tier, fast.prompt_text, fast.tokens) == ("fast", "Bonjour " * 100, 200 + 256)  # 256: the guess
     assert batch.tier == "batch" and batch.prompt_text == instructions + json.dumps(items)
     assert batch.tokens == len(batch.prompt_text) // 4 + 40
+
+
+@pytest.mark.parametrize("last, whole", [("response.completed", True), ("response.incomplete", True),
+                                         ("error", True), ("response.output_text.delta", False)])
+def test_a_responses_stream_is_whole_once_its_last_event_came_however_it_is_cut(last, whole):
+    data = json.dumps({"response": {"output": [{"text": "event: response.completed\n" * 3}]}})  # escaped in JSON
+    stream = f"event: response.created\ndata: {data}\n\n{COMMENT}event: {last}\ndata: {data}\n\n"
+    for size in (1, 7, len(stream)):
+        end = ResponsesStreamEnd()
+        for i in range(0, len(stream), size):
+            end.feed(stream[i:i + size].encode())
+        assert (end.whole, end.events) == (whole, 2), size
 
 
 def test_a_response_stream_whose_replica_dies_ends_with_a_responses_error_event():
