@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import os
 import sqlite3
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from tollway.cli import main, server_parts
 from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
+from tollway.fleet.conversations import Conversations
 from tollway.fleet.dashboard import merge
 from tollway.fleet.fleet import Fleet, replica_resources, serve_logging
 from tollway.fleet.ingress import create_ingress
@@ -247,6 +249,8 @@ def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}  # alive: the ingress retries without killing it
 
+    calls = itertools.count()
+
     @app.post("/v1/completions")
     @app.post("/v1/responses")
     async def completions() -> StreamingResponse:
@@ -257,7 +261,8 @@ def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
             if dies:
                 raise RuntimeError("the replica's engine died")  # its connection closes mid-stream
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"x-request-id": f"resp_{next(calls)}"})  # as a response's id
 
     return app
 
@@ -291,23 +296,38 @@ class Recording(Rayless):
         return self.router.replicas[0]
 
 
-def test_a_response_is_routed_by_its_input_tier_and_output_allowance():
+def test_a_response_is_routed_by_its_input_tier_and_output_allowance_and_the_conversation_it_continues():
     servers = [serving(sse_replica(["event: response.completed\ndata: {}\n\n"]))]
     fleet = Recording([next(s) for s in servers])
     instructions, items = "Answer in French.", [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
     try:
         with TestClient(create_ingress(fleet)) as ingress:
-            for body in ({"input": "Bonjour " * 100, "service_tier": "priority"},
+            for body in ({"input": "Bonjour " * 100, "service_tier": "priority"},  # resp_0
                          {"instructions": instructions, "input": items, "max_output_tokens": 40,
-                          "service_tier": "flex"}):
+                          "service_tier": "flex", "previous_response_id": "resp_0"},  # resp_1
+                         {"instructions": instructions, "input": "Merci.", "previous_response_id": "resp_1"},
+                         {"input": "Salut.", "previous_response_id": "resp_unknown"}):
                 assert ingress.post("/v1/responses", json={"model": MODEL, "stream": True, **body}).status_code == 200
     finally:
         for s in servers:
             next(s, None)
-    fast, batch = fleet.hints
+    fast, batch, standard, unknown = fleet.hints
     assert (fast.tier, fast.prompt_text, fast.tokens) == ("fast", "Bonjour " * 100, 200 + 256)  # 256: the guess
-    assert batch.tier == "batch" and batch.prompt_text == instructions + json.dumps(items)
+    # instructions, then the conversation continued (resp_0's input), then the input
+    assert batch.tier == "batch" and batch.prompt_text == instructions + "Bonjour " * 100 + json.dumps(items)
     assert batch.tokens == len(batch.prompt_text) // 4 + 40
+    # the conversation so far begins as the one before's: prefix affinity places it where that was
+    assert standard.prompt_text == batch.prompt_text + "Merci." and standard.tier == "standard"
+    assert unknown.prompt_text == "Salut."
+
+
+def test_the_ingress_keeps_the_start_of_the_latest_responses_conversations():
+    kept = Conversations(kept_chars=8, max_entries=2)
+    kept.made("resp_a", "0123456789")
+    kept.made("resp_b", "b")
+    assert kept.before("resp_a") == "01234567"  # what prefix affinity reads; used now, so kept
+    kept.made("resp_c", "c")
+    assert [kept.before(r) for r in ("resp_a", "resp_b", "resp_c", None, ["resp_a"])] == ["01234567", "", "c", "", ""]
 
 
 @pytest.mark.parametrize("last, whole", [("response.completed", True), ("response.incomplete", True),

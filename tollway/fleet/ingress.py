@@ -14,7 +14,8 @@ shape (stream_end.py), never a hang: its connection closes when its process dies
 replaces a replica that fails its health checks (its engine stopped or hung), and the ingress
 kills one that stops answering on its port.
 
-/dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
+A response that continues another (previous_response_id) is routed by the conversation it
+continues (conversations.py). /dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
 the Batch API, kept responses, the /dashboard page) goes to the first live replica: they share
 one store.
 """
@@ -30,6 +31,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tollway.fleet.affinity import CHUNK
+from tollway.fleet.conversations import Conversations
 from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
 from tollway.fleet.stream_end import ChatStreamEnd, ResponsesStreamEnd
@@ -52,6 +55,7 @@ class Ingress:
 
     def __init__(self, fleet):
         self.fleet, self.router, self.metrics = fleet, fleet.router, fleet.metrics
+        self.conversations = Conversations(self.router.affinity.max_chunks * CHUNK)
         self.client: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
@@ -88,12 +92,17 @@ class Ingress:
         try:
             parsed = json.loads(body)
             tier = tier_for(parsed.get("service_tier"))
-            text = prompt_text(parsed, path)
+            if path == RESPONSES:  # its instructions, then the conversation it continues, then its input
+                conversation = self.conversations.before(parsed.get("previous_response_id")) + \
+                    as_text(parsed.get("input"))
+                text = as_text(parsed.get("instructions")) + conversation
+            else:
+                conversation, text = None, prompt_text(parsed)
             tokens = estimated_tokens(text, output_allowance(parsed, path), int(parsed.get("n") or 1))
             stream = bool(parsed.get("stream"))
         except (ValueError, TypeError, AttributeError, APIError):
             # Malformed: any replica answers it with the same error a single server would.
-            tier, text, tokens, stream = "standard", "", 0, False
+            tier, text, conversation, tokens, stream = "standard", "", None, 0, False
         tried: set[int] = set()
         failure: Response | None = None
         unplaced = 0  # routing calls that failed: the replica they went to died meanwhile
@@ -117,11 +126,15 @@ class Ingress:
                     return failure or _unavailable()
                 continue
             try:
-                return await self._attempt(replica, path, body, headers, stream)
+                response = await self._attempt(replica, path, body, headers, stream)
             except _NotServed as e:
                 tried.add(replica.index)
                 metrics.retried.labels(tier, e.why).inc()
                 failure = e.refusal or failure
+                continue
+            if conversation is not None and response.status_code == 200:  # a response: its id is x-request-id
+                self.conversations.made(response.headers.get("x-request-id"), conversation)
+            return response
 
     async def _attempt(self, replica: ReplicaState, path: str, body: bytes, headers: dict, stream: bool) -> Response:
         """The replica's response, committed; _NotServed if another replica should have it."""
@@ -301,15 +314,16 @@ def _refusal(status: int, content: bytes) -> str | None:
     return None
 
 
-def prompt_text(body: dict, path: str) -> str:
-    """The request's prompt as text, for prefix affinity and the token estimate: the prompt, the
-    chat messages as JSON, or a response's instructions then its input (a string, or its items
-    as JSON); a conversation's next turn extends the same text."""
-    if path == RESPONSES:
-        parts = (body.get("instructions"), body.get("input"))
-        return "".join(part if isinstance(part, str) else json.dumps(part) for part in parts if part is not None)
+def prompt_text(body: dict) -> str:
+    """The request's prompt as text, for prefix affinity and the token estimate: the prompt,
+    or the chat messages as JSON (a conversation's next turn extends the same text)."""
     prompt = body.get("messages", body.get("prompt", ""))
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def as_text(part) -> str:
+    """A response's instructions or input as routing text: a string as it is, items as JSON."""
+    return "" if part is None else part if isinstance(part, str) else json.dumps(part)
 
 
 def output_allowance(body: dict, path: str) -> int:
