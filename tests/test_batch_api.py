@@ -238,3 +238,32 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
         client.close()  # its connection to the killed server too
         proc.kill()
         proc.wait(10)
+
+
+def test_a_batch_of_responses_api_lines_outputs_response_objects_kept_for_their_key(keyed):
+    ann, ben = _as(keyed, "sk-ann"), _as(keyed, "sk-ben")
+    asked = {"model": MODEL, "instructions": "Answer briefly.", "max_output_tokens": 4, "temperature": 0,
+             "input": [{"role": "user", "content": [{"type": "input_text", "text": "Name a river."}]}]}
+    lines = [{"custom_id": "plain", "method": "POST", "url": "/v1/responses", "body": asked},
+             {"custom_id": "reasons", "method": "POST", "url": "/v1/responses",
+              "body": {**asked, "reasoning": {"effort": "low"}}},
+             {"custom_id": "streams", "method": "POST", "url": "/v1/responses", "body": {**asked, "stream": True}}]
+    uploaded = ann.files.create(file=("r.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = ann.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    done = _wait(ann, batch.id, ("completed", "failed"))
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
+    [line] = [json.loads(x) for x in ann.files.content(done.output_file_id).text.splitlines()]
+    body = line["response"]["body"]
+    assert line["custom_id"] == "plain" and body["id"].startswith("resp_")
+    assert line["response"]["request_id"] == body["id"]
+    assert (body["object"], body["service_tier"], body["instructions"]) == ("response", "flex", "Answer briefly.")
+    assert body["usage"]["output_tokens"] == 4 and body["usage"]["cost"] > 0 and body["status"] == "incomplete"
+    # The same response as a request of its own: greedy output is the same in the batch lane.
+    assert body["output"][0]["content"][0]["text"] == ann.responses.create(**asked).output_text
+    assert ann.responses.retrieve(body["id"]).output_text == body["output"][0]["content"][0]["text"]
+    with pytest.raises(openai.NotFoundError):
+        ben.responses.retrieve(body["id"])
+    errors = {x["custom_id"]: x["response"]
+              for x in map(json.loads, ann.files.content(done.error_file_id).text.splitlines())}
+    assert {cid: (r["status_code"], r["body"]["error"]["param"]) for cid, r in errors.items()} == {
+        "reasons": (400, "reasoning"), "streams": (400, "stream")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import os
 import sqlite3
@@ -26,13 +27,15 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from tollway.cli import main, server_parts
 from tollway.config import TIERS, EngineConfig, KeySpec, MeterConfig, SchedulerConfig, ServerConfig
+from tollway.fleet.conversations import Conversations
 from tollway.fleet.dashboard import merge
 from tollway.fleet.fleet import Fleet, replica_resources, serve_logging
 from tollway.fleet.ingress import create_ingress
 from tollway.fleet.load import ReplicaLoad
 from tollway.fleet.metrics import FleetMetrics
 from tollway.fleet.replica import ReplicaSpec
-from tollway.fleet.router import ReplicaState, Router
+from tollway.fleet.router import ReplicaState, Router, RoutingHint
+from tollway.fleet.stream_end import ResponsesStreamEnd
 from tollway.server import errors
 from tollway.server.dashboard import dashboard_router
 from tollway.server.keep_alive import COMMENT
@@ -239,14 +242,17 @@ class InOrder(Rayless):
 
 
 def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
-    """A replica whose completions stream these events, each on its own, then ends or dies."""
+    """A replica whose completions and responses stream these events, each on its own, then end or die."""
     app = FastAPI()
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}  # alive: the ingress retries without killing it
 
+    calls = itertools.count()
+
     @app.post("/v1/completions")
+    @app.post("/v1/responses")
     async def completions() -> StreamingResponse:
         async def stream():
             for e in events:
@@ -255,7 +261,8 @@ def sse_replica(events: list[str], dies: bool = False) -> FastAPI:
             if dies:
                 raise RuntimeError("the replica's engine died")  # its connection closes mid-stream
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"x-request-id": f"resp_{next(calls)}"})  # as a response's id
 
     return app
 
@@ -275,6 +282,90 @@ def test_keep_alive_comments_are_not_an_answer_and_the_call_is_retried_after_the
     finally:
         for s in servers:
             next(s, None)
+
+
+class Recording(Rayless):
+    """Places each call on replica 0, keeping the hint the router was given."""
+
+    def __init__(self, urls: list[str]):
+        super().__init__(urls)
+        self.hints: list[RoutingHint] = []
+
+    async def route(self, hint):
+        self.hints.append(hint)
+        return self.router.replicas[0]
+
+
+def test_a_response_is_routed_by_its_input_tier_and_output_allowance_and_the_conversation_it_continues():
+    servers = [serving(sse_replica(["event: response.completed\ndata: {}\n\n"]))]
+    fleet = Recording([next(s) for s in servers])
+    instructions, items = "Answer in French.", [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            for body in ({"input": "Bonjour " * 100, "service_tier": "priority"},  # resp_0
+                         {"instructions": instructions, "input": items, "max_output_tokens": 40,
+                          "service_tier": "flex", "previous_response_id": "resp_0"},  # resp_1
+                         {"instructions": instructions, "input": "Merci.", "previous_response_id": "resp_1"},
+                         {"input": "Salut.", "previous_response_id": "resp_unknown"}):
+                assert ingress.post("/v1/responses", json={"model": MODEL, "stream": True, **body}).status_code == 200
+    finally:
+        for s in servers:
+            next(s, None)
+    fast, batch, standard, unknown = fleet.hints
+    assert (fast.tier, fast.prompt_text, fast.tokens) == ("fast", "Bonjour " * 100, 200 + 256)  # 256: the guess
+    # instructions, then the conversation continued (resp_0's input), then the input
+    assert batch.tier == "batch" and batch.prompt_text == instructions + "Bonjour " * 100 + json.dumps(items)
+    assert batch.tokens == len(batch.prompt_text) // 4 + 40
+    # the conversation so far begins as the one before's: prefix affinity places it where that was
+    assert standard.prompt_text == batch.prompt_text + "Merci." and standard.tier == "standard"
+    assert unknown.prompt_text == "Salut."
+
+
+def test_the_ingress_keeps_the_start_of_the_latest_responses_conversations():
+    kept = Conversations(kept_chars=8, max_entries=2)
+    kept.made("resp_a", "0123456789")
+    kept.made("resp_b", "b")
+    assert kept.before("resp_a") == "01234567"  # what prefix affinity reads; used now, so kept
+    kept.made("resp_c", "c")
+    assert [kept.before(r) for r in ("resp_a", "resp_b", "resp_c", None, ["resp_a"])] == ["01234567", "", "c", "", ""]
+
+
+@pytest.mark.parametrize("last, whole", [("response.completed", True), ("response.incomplete", True),
+                                         ("error", True), ("response.output_text.delta", False)])
+def test_a_responses_stream_is_whole_once_its_last_event_came_however_it_is_cut(last, whole):
+    data = json.dumps({"response": {"output": [{"text": "event: response.completed\n" * 3}]}})  # escaped in JSON
+    stream = f"event: response.created\ndata: {data}\n\n{COMMENT}event: {last}\ndata: {data}\n\n"
+    for size in (1, 7, len(stream)):
+        end = ResponsesStreamEnd()
+        for i in range(0, len(stream), size):
+            end.feed(stream[i:i + size].encode())
+        assert (end.whole, end.events) == (whole, 2), size
+
+
+def test_a_response_stream_whose_replica_dies_ends_with_a_responses_error_event():
+    """Replica 0 answers nothing but a comment and dies: the call goes to replica 1, which dies
+    after two events; the client's stream ends with the Responses API's error event, numbered
+    after them, which the openai client parses."""
+    begun = [f'event: {kind}\ndata: {{"type": "{kind}", "sequence_number": {n}, "response": {{"id": "resp_1", '
+             '"object": "response", "created_at": 0, "model": "m", "output": [], "parallel_tool_calls": true, '
+             '"tool_choice": "auto", "tools": [], "status": "in_progress"}}\n\n'
+             for n, kind in enumerate(("response.created", "response.in_progress"))]
+    servers = [serving(sse_replica([COMMENT], dies=True)), serving(sse_replica(begun, dies=True))]
+    fleet = InOrder([next(s) for s in servers])
+    try:
+        with TestClient(create_ingress(fleet)) as ingress:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=ingress,
+                                   max_retries=0)
+            raw = client.responses.with_raw_response.create(model=MODEL, input="hi", stream=True)
+            assert raw.headers["x-tollway-replica"] == "1"
+            events = list(raw.parse())
+    finally:
+        for s in servers:
+            next(s, None)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
+    error = events[-1]
+    assert (error.code, error.sequence_number) == ("replica_failed", 2)
+    assert "replica 1 failed mid-stream" in error.message
 
 
 @pytest.fixture(scope="module")
@@ -516,6 +607,40 @@ def test_every_replica_serves_the_batch_api_and_runs_its_jobs(fleet):
         assert batch.request_counts.completed == 3
         output = replicas[1 - i].files.content(batch.output_file_id).text.splitlines()
         assert sorted(json.loads(x)["custom_id"] for x in output) == [f"r{i}-{n}" for n in range(3)]
+
+
+def test_responses_are_routed_and_continued_on_either_replica_through_the_shared_ledger(fleet):
+    """The ingress routes a response (x-tollway-replica) and each replica keeps it in the ledger
+    the fleet shares: it is continued on the other replica, then streamed through the ingress,
+    and read and listed wherever the ingress sends those calls."""
+    def fast_routed() -> float:  # the router's count of fast requests placed
+        return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(fleet["url"] + "/metrics").text.splitlines()
+                   if line.startswith("tollway:router_requests_total{") and 'tier="fast"' in line)
+
+    ingress, routed = client(fleet), fast_routed()
+    raw = ingress.responses.with_raw_response.create(model=MODEL, input="My name is Ada.", max_output_tokens=4,
+                                                     temperature=0, service_tier="priority")
+    made_on, first = int(raw.headers["x-tollway-replica"]), raw.parse()
+    assert first.service_tier == "priority" and fast_routed() == routed + 1
+    other = openai.OpenAI(base_url=fleet["fleet"].router.replicas[1 - made_on].url + "/v1", api_key="unused",
+                          max_retries=0)
+    second = other.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                    max_output_tokens=4, temperature=0)
+    # its prompt is the first turn, its answer and the question
+    alone = other.responses.create(model=MODEL, input="What is my name?", max_output_tokens=1, store=False)
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    with ingress.responses.stream(model=MODEL, input="Spell it.", previous_response_id=second.id,
+                                  max_output_tokens=4, temperature=0) as stream:
+        events = list(stream)
+    third = events[-1].response
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert third.previous_response_id == second.id and third.usage.input_tokens > second.usage.input_tokens
+    for response in (first, second, third):
+        assert ingress.responses.retrieve(response.id).output_text == response.output_text
+    [asked] = ingress.responses.input_items.list(second.id).data
+    assert asked.content[0].text == "What is my name?"
+    rows = ledger_rows(fleet)  # one ledger row each, under the response's id
+    assert {"chatcmpl-" + r.id.removeprefix("resp_") for r in (first, second, third)} <= set(rows)
 
 
 def test_killing_a_replica_mid_load_ends_its_streams_with_an_error_and_loses_no_ledger_row(fleet):

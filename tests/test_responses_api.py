@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -55,6 +56,18 @@ def test_output_items_close_each_item_before_the_next_opens():
     assert call == {"id": call["id"], "type": "function_call", "status": "completed", "call_id": "call_1", "name": "f",
                     "arguments": "{}"}
     assert events[0]["item"]["content"] == [] and events[7]["item"]["arguments"] == ""  # as they were when added
+
+
+def test_output_items_hold_a_tokens_logprobs_until_its_text_comes():
+    a, b, c = ({"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []} for t in "abc")
+    items = OutputItems()
+    assert items.add({"content": ""}, [a]) == []  # part of a character: no text yet
+    added, part_added, delta = items.add({"content": "é"}, [b])
+    assert delta["logprobs"] == [a, b] and part_added["part"]["logprobs"] == []
+    assert items.add({"content": ""}, [c]) == []
+    text_done, part_done, _ = items.finish("completed")
+    assert text_done["logprobs"] == part_done["part"]["logprobs"] == [a, b, c]
+    assert items.items[0]["content"][0]["logprobs"] == [a, b, c]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +223,65 @@ def test_previous_response_id_continues_the_conversation_of_its_key_only(alice, 
         alice.responses.retrieve(first.id)
 
 
+def test_input_items_list_a_responses_own_input_in_pages_for_its_key_only(alice, bob):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone":"UTC"}'}
+    items = [{"role": "user", "content": "What time is it?"}, call,
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+             {"type": "message", "id": "msg_mine", "role": "user", "content": [{"type": "input_text", "text": "Say "},
+                                                                              {"type": "input_text", "text": "it."}]}]
+    r = alice.responses.create(model=MODEL, input=items, tools=[TIME], tool_choice="none", max_output_tokens=2)
+    listed = alice.responses.input_items.list(r.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "function_call", "function_call_output", "message"]
+    assert (listed[0].role, listed[0].content[0].type, listed[0].content[0].text) == (
+        "user", "input_text", "What time is it?")
+    assert (listed[1].call_id, listed[1].name, listed[1].arguments) == ("call_1", "get_time", '{"zone":"UTC"}')
+    assert (listed[2].call_id, listed[2].output) == ("call_1", "12:00")
+    assert listed[3].id == "msg_mine" and [p.text for p in listed[3].content] == ["Say ", "it."]
+    ids = [i.id for i in listed]
+    assert len(set(ids)) == 4 and ids[0].startswith("msg_") and ids[1].startswith("fc_")
+    # newest first unless order="asc", in pages: the client walks them to the end
+    page = alice.responses.input_items.list(r.id, limit=3)
+    assert [i.id for i in page.data] == ids[:0:-1] and page.has_more
+    assert (page.first_id, page.last_id) == (ids[3], ids[1])
+    assert [i.id for i in alice.responses.input_items.list(r.id, limit=3)] == ids[::-1]
+    rest = alice.responses.input_items.list(r.id, after=ids[1])
+    assert [i.id for i in rest.data] == [ids[0]] and not rest.has_more
+    # a continuation lists its own input, not its previous response's
+    again = alice.responses.create(model=MODEL, input="Thanks.", previous_response_id=r.id, max_output_tokens=2)
+    [thanks] = alice.responses.input_items.list(again.id).data
+    assert (thanks.role, thanks.content[0].text) == ("user", "Thanks.")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(r.id)
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"),
+                          ({"include": ["message.input_image.image_url"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as e:
+            alice.responses.input_items.list(r.id, **params)
+        assert e.value.body["param"] == param
+    for query in ({"include": "message.input_image.image_url"}, {"limit": "many"}):
+        refused = httpx.get(f"{alice.base_url}responses/{r.id}/input_items", params=query,
+                            headers={"Authorization": "Bearer sk-alice"})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, next(iter(query)))
+
+
+def test_include_logprobs_gives_the_output_texts_logprobs_on_its_part_and_deltas(alice):
+    asked = dict(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    chat = alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+                                         max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    expected = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    r = alice.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 2 and len(expected) == 6
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in logprobs] == expected
+    assert "".join(e.token for e in logprobs) == r.output_text
+    with alice.responses.stream(**asked, include=["message.output_text.logprobs"], top_logprobs=2) as stream:
+        events = list(stream)
+    deltas = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert [(e.token, e.logprob) for e in deltas] == [(e.token, e.logprob) for e in done.logprobs] == \
+        [(token, logprob) for token, logprob, _ in expected]
+    assert alice.responses.create(**asked).output[0].content[0].logprobs == []  # not asked for
+
+
 def test_store_false_is_not_kept(alice):
     r = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
     assert r.store is False
@@ -217,12 +289,16 @@ def test_store_false_is_not_kept(alice):
         alice.responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError):
         alice.responses.create(model=MODEL, input="Again", previous_response_id=r.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.input_items.list(r.id)
 
 
 @pytest.mark.parametrize("body, param", [
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without include's logprobs
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

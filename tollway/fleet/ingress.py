@@ -1,6 +1,7 @@
-"""The fleet's HTTP front: the same OpenAI API as one server, each completion placed on a
-replica by the tier-aware router (router.py, run by Serve as the deployment's request router:
-fleet.py) and proxied to that replica's own tollway API.
+"""The fleet's HTTP front: the same OpenAI API as one server, each completion, chat completion
+and response (the Responses API's) placed on a replica by the tier-aware router (router.py, run
+by Serve as the deployment's request router: fleet.py) and proxied to that replica's own
+tollway API.
 
 A request is *committed* to a replica once its response has begun reaching the client: the
 whole body of a plain response, the first event of a stream that is not a comment (keep-alive
@@ -8,13 +9,15 @@ comments are no answer: server/keep_alive.py). Until then any failure there
 (the replica died or stopped answering, refused it as draining or queue-full, or answered
 5xx) sends it to another replica, so no request is silently dropped; the call keeps one id on
 every replica tried (server/call_ids.py), so one that failed after billing it is not billed
-twice. After that, a failed
-replica ends the stream with an OpenAI-style error event and [DONE], never a hang: its
-connection closes when its process dies, Serve replaces a replica that fails its health checks
-(its engine stopped or hung), and the ingress kills one that stops answering on its port.
+twice. After that, a failed replica ends the stream with an error event in the stream's own
+shape (stream_end.py), never a hang: its connection closes when its process dies, Serve
+replaces a replica that fails its health checks (its engine stopped or hung), and the ingress
+kills one that stops answering on its port.
 
-/dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
-the Batch API, the /dashboard page) goes to the first live replica: they share one store.
+A response that continues another (previous_response_id) is routed by the conversation it
+continues (conversations.py). /dashboard/data merges every replica's (dashboard.py). Everything else (/v1/models, /v1/usage,
+the Batch API, kept responses, the /dashboard page) goes to the first live replica: they share
+one store.
 """
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tollway.fleet.affinity import CHUNK
+from tollway.fleet.conversations import Conversations
 from tollway.fleet.dashboard import fleet_data
 from tollway.fleet.router import ReplicaState, RoutingHint, estimated_tokens
+from tollway.fleet.stream_end import ChatStreamEnd, ResponsesStreamEnd
 from tollway.server import errors
 from tollway.server.call_ids import CALL_ID, FLEET_SECRET, new_call_id
 from tollway.server.disconnects import ClientGone, ClosingStreamingResponse, unless_disconnected
@@ -39,8 +45,9 @@ from tollway.server.service_tier import asked_tier
 _FORWARD = ("authorization", "content-type", "x-tollway-tags")
 _RETURN = ("content-type", "x-tollway-cost", "retry-after", "x-request-id", "x-should-retry",
            *(f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")))
-# A chat request without max_tokens may run to the context's end; the router guesses this.
+# A chat request or a response without max_tokens may run to the context's end; the router guesses this.
 _UNSPECIFIED_MAX_TOKENS = 256
+RESPONSES = "/v1/responses"
 
 
 class Ingress:
@@ -48,6 +55,7 @@ class Ingress:
 
     def __init__(self, fleet):
         self.fleet, self.router, self.metrics = fleet, fleet.router, fleet.metrics
+        self.conversations = Conversations(self.router.affinity.max_chunks * CHUNK)
         self.client: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
@@ -84,14 +92,17 @@ class Ingress:
         try:
             parsed = json.loads(body)
             tier, _, _ = asked_tier(parsed.get("service_tier"), parsed.get("priority"))
-            text = prompt_text(parsed)
-            max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens") or (
-                _UNSPECIFIED_MAX_TOKENS if "messages" in parsed else 16)
-            tokens = estimated_tokens(text, int(max_tokens), int(parsed.get("n") or 1))
+            if path == RESPONSES:  # its instructions, then the conversation it continues, then its input
+                conversation = self.conversations.before(parsed.get("previous_response_id")) + \
+                    as_text(parsed.get("input"))
+                text = as_text(parsed.get("instructions")) + conversation
+            else:
+                conversation, text = None, prompt_text(parsed)
+            tokens = estimated_tokens(text, output_allowance(parsed, path), int(parsed.get("n") or 1))
             stream = bool(parsed.get("stream"))
         except (ValueError, TypeError, AttributeError, APIError):
             # Malformed: any replica answers it with the same error a single server would.
-            tier, text, tokens, stream = "standard", "", 0, False
+            tier, text, conversation, tokens, stream = "standard", "", None, 0, False
         tried: set[int] = set()
         failure: Response | None = None
         unplaced = 0  # routing calls that failed: the replica they went to died meanwhile
@@ -115,11 +126,15 @@ class Ingress:
                     return failure or _unavailable()
                 continue
             try:
-                return await self._attempt(replica, path, body, headers, stream)
+                response = await self._attempt(replica, path, body, headers, stream)
             except _NotServed as e:
                 tried.add(replica.index)
                 metrics.retried.labels(tier, e.why).inc()
                 failure = e.refusal or failure
+                continue
+            if conversation is not None and response.status_code == 200:  # a response: its id is x-request-id
+                self.conversations.made(response.headers.get("x-request-id"), conversation)
+            return response
 
     async def _attempt(self, replica: ReplicaState, path: str, body: bytes, headers: dict, stream: bool) -> Response:
         """The replica's response, committed; _NotServed if another replica should have it."""
@@ -157,19 +172,20 @@ class Ingress:
             await resp.aclose()
             raise
         # Closed however the relay ends: a client gone before its first byte never starts it.
-        return ClosingStreamingResponse(self._relay(replica, resp, first, chunks), resp.aclose, headers=out_headers,
-                                        media_type="text/event-stream")
+        return ClosingStreamingResponse(self._relay(replica, resp, first, chunks, path), resp.aclose,
+                                        headers=out_headers, media_type="text/event-stream")
 
-    async def _relay(self, replica: ReplicaState, resp: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The replica's stream; if it breaks off before its [DONE], an error event ends it."""
-        tail = first[-64:]
+    async def _relay(self, replica: ReplicaState, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                     path: str) -> AsyncIterator[bytes]:
+        """The replica's stream; if it breaks off before its end, an error event in its shape ends it."""
+        end = ResponsesStreamEnd() if path == RESPONSES else ChatStreamEnd()
         try:
+            end.feed(first)
             yield first
             async for chunk in chunks:
+                end.feed(chunk)
                 yield chunk
-                tail = (tail + chunk)[-64:]
-            if b"data: [DONE]" in tail:
+            if end.whole:
                 return
             why = "its stream ended early"
         except httpx.HTTPError as e:
@@ -179,9 +195,7 @@ class Ingress:
         self.metrics.failed_streams.labels(str(replica.index)).inc()
         # Checked before the client hears of it: by then the fleet no longer lists a dead replica as alive.
         await self.fleet.check(replica, self.client)
-        error = errors.error_body(500, f"replica {replica.index} failed mid-stream ({why}); the response is incomplete",
-                                  code="replica_failed")
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        yield end.error(f"replica {replica.index} failed mid-stream ({why}); the response is incomplete")
 
     async def pass_through(self, path: str, request: Request) -> Response:
         """Anything else, to the first live replica."""
@@ -238,6 +252,11 @@ async def completions(request: Request, ing: Ingress = Depends(ingress)) -> Resp
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request, ing: Ingress = Depends(ingress)) -> Response:
     return await ing.route(request, "/v1/chat/completions")
+
+
+@routes.post(RESPONSES)
+async def responses(request: Request, ing: Ingress = Depends(ingress)) -> Response:
+    return await ing.route(request, RESPONSES)
 
 
 @routes.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])  # last: it matches every path
@@ -300,3 +319,16 @@ def prompt_text(body: dict) -> str:
     or the chat messages as JSON (a conversation's next turn extends the same text)."""
     prompt = body.get("messages", body.get("prompt", ""))
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def as_text(part) -> str:
+    """A response's instructions or input as routing text: a string as it is, items as JSON."""
+    return "" if part is None else part if isinstance(part, str) else json.dumps(part)
+
+
+def output_allowance(body: dict, path: str) -> int:
+    """The most tokens each choice may generate, or the router's guess where the request leaves it open."""
+    if path == RESPONSES:
+        return int(body.get("max_output_tokens") or _UNSPECIFIED_MAX_TOKENS)
+    return int(body.get("max_completion_tokens") or body.get("max_tokens") or (
+        _UNSPECIFIED_MAX_TOKENS if "messages" in body else 16))

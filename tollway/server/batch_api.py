@@ -16,8 +16,8 @@ from tollway.server.batch_store import BatchStore, new_id
 from tollway.server.errors import APIError
 from tollway.server.keys import owner_of
 from tollway.server.service import Service, caller, service
+from tollway.server.validation import BATCH_BODIES
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_FILE_BYTES = 100 * 2**20
 MAX_LINES = 50_000  # as OpenAI
 MAX_FILES_PAGE = 10_000  # OpenAI's most and default files per page
@@ -87,8 +87,8 @@ async def delete_file(file_id: str, owner: str = Depends(batch_owner), svc: Serv
 
 @router.post("/v1/batches")
 async def create(req: BatchCreate, owner: str = Depends(batch_owner), svc: Service = Depends(service)) -> dict:
-    if req.endpoint not in ENDPOINTS:
-        raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if req.endpoint not in BATCH_BODIES:
+        raise APIError(400, f"endpoint must be one of {', '.join(BATCH_BODIES)}", param="endpoint")
     if req.completion_window != "24h":
         raise APIError(400, "completion_window must be '24h'", param="completion_window")
     _file(svc.batch_store, req.input_file_id, owner, "input_file_id")

@@ -37,6 +37,8 @@ def invalid_body(problems: Sequence[dict]) -> APIError:
     knows gets OpenAI's own words for it."""
     first = problems[0] if problems else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if loc[:1] in (["query"], ["path"], ["header"]):  # where it came from: the param is what follows
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_value")
     if first.get("type") == "extra_forbidden":

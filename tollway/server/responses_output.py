@@ -27,19 +27,27 @@ class OutputItems:
         self.items: list[dict] = []
         self._open: int | None = None  # the output index of the item being written
         self._calls: dict[int, int] = {}  # a chat tool call's index -> its item's output index
+        self._logprobs: list[dict] = []  # those of tokens whose text has not come yet (part of a character)
 
-    def add(self, delta: dict) -> list[dict]:
-        """What a chat delta ({"content": ...} and/or {"tool_calls": [...]}) adds."""
+    def add(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
+        """What a chat delta ({"content": ...} and/or {"tool_calls": [...]}) adds, with chat's
+        logprobs entries of its tokens, if asked for (the same shape as an output_text's)."""
         events = []
+        self._logprobs += logprobs or ()
         if delta.get("content"):
+            logprobs, self._logprobs = self._logprobs, []  # taken before _start closes the item before
             if self._open is None or self.items[self._open]["type"] != "message":
                 events += self._start({"id": f"msg_{secrets.token_hex(16)}", "type": "message",
                                        "status": "in_progress", "role": "assistant", "content": []})
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 events.append(self._part_event("response.content_part.added", part=copy.deepcopy(part)))
                 self.items[self._open]["content"].append(part)
-            self.items[self._open]["content"][0]["text"] += delta["content"]
-            events.append(self._part_event("response.output_text.delta", delta=delta["content"], logprobs=[]))
+            part = self.items[self._open]["content"][0]
+            part["text"] += delta["content"]
+            part["logprobs"] += logprobs
+            events.append(self._part_event("response.output_text.delta", delta=delta["content"], logprobs=logprobs))
+        if delta.get("tool_calls"):
+            self._logprobs = []  # a call's tokens: its item has no logprobs
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             if call.get("index", 0) not in self._calls:
@@ -56,6 +64,7 @@ class OutputItems:
 
     def finish(self, status: str) -> list[dict]:
         """Close the last item with `status` ("completed" or "incomplete"): the output has ended."""
+        pending, self._logprobs = self._logprobs, []
         if self._open is None:
             return []
         index, item = self._open, self.items[self._open]
@@ -63,8 +72,9 @@ class OutputItems:
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += pending
             events = [self._item_event(index, "response.output_text.done", content_index=0, text=part["text"],
-                                       logprobs=[]),
+                                       logprobs=part["logprobs"]),
                       self._item_event(index, "response.content_part.done", content_index=0, part=copy.deepcopy(part))]
         else:
             events = [self._item_event(index, "response.function_call_arguments.done", name=item["name"],
@@ -124,7 +134,8 @@ def response_object(response_id: str, created: int, req: ResponsesRequest, model
         "previous_response_id": req.previous_response_id,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": req.tool_choice or "auto",
-        "tools": req.tools or [], "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "tools": req.tools or [], "top_logprobs": req.top_logprobs,
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled", "usage": usage, "metadata": req.metadata or {}, "service_tier": service_tier,
         "store": stored, "user": req.user, "background": False,
     }

@@ -16,11 +16,9 @@ NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning": ((None,), "reasoning is not supported: the model does not reason"),
     "background": ((None, False), "background responses are not supported: stream instead"),
     "background_options": ((None,), "background responses are not supported"),
-    "include": ((None, []), "include is not supported: a response has nothing more to include"),
     "conversation": ((None,), "conversations are not supported: continue with previous_response_id"),
     "prompt": ((None,), "prompt templates are not supported: send input and instructions"),
     "truncation": ((None, "disabled"), "truncation \"auto\" is not supported: input past the context is refused"),
-    "top_logprobs": ((None, 0), "top_logprobs is not supported here: chat completions return logprobs"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported"),
     "context_management": ((None,), "context_management is not supported"),
     "moderation": ((None,), "moderation is not supported"),
@@ -29,6 +27,9 @@ NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_cache_options": ((None,), "prompt_cache_options is not supported: the prefix cache is automatic"),
     "prompt_cache_retention": ((None, "in_memory"), "the prefix cache is in memory only"),
 }
+
+
+LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for: the output text's logprobs
 
 
 class ResponseStreamOptions(BaseModel):
@@ -64,11 +65,11 @@ class ResponsesRequest(BaseModel):
     reasoning: Any = None
     background: bool | None = None
     background_options: Any = None
-    include: list[Any] | None = None
+    include: list[Any] | None = None  # LOGPROBS only
     conversation: Any = None
     prompt: Any = None
     truncation: str | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tool_calls: int | None = None
     context_management: Any = None
     moderation: Any = None
@@ -83,6 +84,15 @@ class ResponsesRequest(BaseModel):
         accepted, why = NOT_HONOURED[info.field_name]
         if value not in accepted:
             raise ValueError(f"{why} (tollway accepts only {' or '.join(map(repr, accepted))})")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[Any] | None) -> list[Any] | None:
+        for name in value or ():
+            if name != LOGPROBS:
+                raise ValueError(f"{str(name)[:64]!r} cannot be included: only {LOGPROBS!r} can (no built-in tools, "
+                                 "images or reasoning run here)")
         return value
 
     @field_validator("input")

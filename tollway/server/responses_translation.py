@@ -1,6 +1,7 @@
 """A Responses API request as the chat completion it runs as: its input items become chat
 messages (after the conversation of its previous response), `instructions` a system message,
-`text.format` a response_format, and flat function tools chat's nested ones. The chat path
+`text.format` a response_format, flat function tools chat's nested ones, and `include`'s
+output text logprobs (with `top_logprobs`) chat's logprobs. The chat path
 then does the rest (validation.py: the chat template, tools.py, structured_output.py), and its
 refusals are renamed to the Responses fields they concern."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 
 from tollway.server.errors import APIError
 from tollway.server.protocol import ChatCompletionRequest
-from tollway.server.responses_protocol import ResponsesRequest
+from tollway.server.responses_protocol import LOGPROBS, ResponsesRequest
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -29,13 +30,18 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     if not turn:
         raise APIError(400, "input is empty: send a string or a list of items", param="input")
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + turn
+    logprobs = LOGPROBS in (req.include or ())
+    if req.top_logprobs and not logprobs:
+        raise APIError(400, f"top_logprobs needs include: [{LOGPROBS!r}], which asks for the logprobs",
+                       param="top_logprobs")
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
                             "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
                             "parallel_tool_calls": req.parallel_tool_calls,
                             "response_format": response_format(req.text), "service_tier": req.service_tier,
                             "metadata": req.metadata, "user": req.user, "safety_identifier": req.safety_identifier,
                             "prompt_cache_key": req.prompt_cache_key, "stream": req.stream,
-                            "temperature": req.temperature, "top_p": req.top_p}
+                            "temperature": req.temperature, "top_p": req.top_p, "logprobs": logprobs or None,
+                            "top_logprobs": req.top_logprobs if logprobs else None}
     try:  # what is not given keeps chat's default
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), turn
     except ValidationError as e:

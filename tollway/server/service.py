@@ -27,7 +27,9 @@ from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
 from tollway.server.metrics import Metrics
 from tollway.server.response_store import ResponseStore
+from tollway.server.response_turn import begin, whole
 from tollway.server.responses import final_choice, vllm_prompt_logprobs
+from tollway.server.responses_protocol import ResponsesRequest
 from tollway.server.tool_parsers import PARSERS
 from tollway.server.tracing import Tracing
 from tollway.server.validation import CheckedCall, batch_line, tool_call_syntax, validate
@@ -189,7 +191,11 @@ class Service:
         key = await asyncio.to_thread(self.gatekeeper.key_of, owner)
         if owner and key is None:
             raise APIError(401, "the API key that created this batch has been revoked", code="invalid_api_key")
-        sub = self.validate(batch_line(url, body))
+        req = batch_line(url, body)
+        if isinstance(req, ResponsesRequest):  # its body: the Response object
+            turn, _ = await begin(self, req, key, owner, "batch", from_key_store=True)
+            return await whole(turn)
+        sub = self.validate(req)
         gen, _ = await self.start(sub, "batch", key, None, owner)
         return await self.collect(gen, sub.echo)
 

@@ -16,13 +16,17 @@ from pydantic import BaseModel, ValidationError
 from tollway.request import InvalidRequest, SamplingParams, Submission, check_prompt
 from tollway.server.errors import APIError, invalid_body
 from tollway.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from tollway.server.responses_protocol import ResponsesRequest
 from tollway.server.structured_output import request_grammar
 from tollway.server.tool_parsers import CONSTRAINED, native_syntax
 from tollway.server.tools import ToolCalling, conversation, tool_calling
 from tollway.text.tokenizer import Tokenizer
 
 MAX_TAGS = 16
-KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+# What each endpoint a Batch API line may name takes as its body.
+BATCH_BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
+                                            "/v1/chat/completions": ChatCompletionRequest,
+                                            "/v1/responses": ResponsesRequest}
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,11 @@ def invalid(e: InvalidRequest, chat: bool) -> APIError:
     return APIError(400, str(e), param=param, code=e.code)
 
 
-def batch_line(url: str, body: dict) -> CompletionRequest | ChatCompletionRequest:
+def batch_line(url: str, body: dict) -> CompletionRequest | ChatCompletionRequest | ResponsesRequest:
     """One Batch API line's body, parsed as POST `url` would parse it."""
-    kind = KINDS.get(url)
-    if kind is None:
-        raise APIError(400, f"unsupported url {url!r}; use /v1/chat/completions or /v1/completions", param="url")
-    model: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    model = BATCH_BODIES.get(url)
+    if model is None:
+        raise APIError(400, f"unsupported url {url!r}; use one of {', '.join(BATCH_BODIES)}", param="url")
     try:
         req = model.model_validate(body)
     except ValidationError as e:
