@@ -87,7 +87,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, default_tokenize
 
 def test_max_tokens_0_needs_echo(server):
     for path, body in [("/v1/completions", {"prompt": "Hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True})]:
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
         resp = httpx.post(server["url"] + path, json={"model": MODEL, "max_tokens": 0, **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", path
 

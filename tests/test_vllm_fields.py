@@ -256,7 +256,7 @@ def test_common_vllm_fields_at_their_defaults_are_accepted(client):
 
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-    ("prompt_logprobs", 1), ("return_tokens_as_token_ids", True), ("logits_processors", ["my.module:fn"]),
+    ("return_tokens_as_token_ids", True), ("logits_processors", ["my.module:fn"]),
     ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_decode": True}), ("cache_salt", "s"),
     ("mm_processor_kwargs", {"num_crops": 4}), ("chat_template", "{{ messages }}"), ("echo", True),
     ("guided_whitespace_pattern", " "), ("structural_tag", "{}"),
