@@ -209,19 +209,23 @@ def test_penalties_and_bias_follow_the_definition_over_the_requests_own_output()
     assert torch.equal(got[0, 11], logits[0, 11])  # a prompt token: not counted
 
 
-def test_a_row_is_adjusted_the_same_alone_or_in_a_batch():
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(8, 300, generator=gen)
-    seqs = [_seq(SamplingParams(temperature=0, presence_penalty=0.1 * i, frequency_penalty=-0.2 * i,
-                                logit_bias={i: 5.0 * i}), rid=str(i))._replace(
-                output_counts=dict(Counter(torch.randint(0, 300, (10 * i,), generator=gen).tolist()))) for i in range(8)]
+def _assert_adjusted_alone_as_in_a_batch(logits: torch.Tensor, seqs: list) -> None:
     batched = logits.clone()
     adjust_logits(batched, seqs)
     for i, seq in enumerate(seqs):
         alone = logits[i:i + 1].clone()
         adjust_logits(alone, [seq])
         assert torch.equal(batched[i], alone[0])
-    assert not torch.equal(batched[7], logits[7])
+    assert not torch.equal(batched[-1], logits[-1])  # the last row was adjusted at all
+
+
+def test_a_row_is_adjusted_the_same_alone_or_in_a_batch():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 300, generator=gen)
+    seqs = [_seq(SamplingParams(temperature=0, presence_penalty=0.1 * i, frequency_penalty=-0.2 * i,
+                                logit_bias={i: 5.0 * i}), rid=str(i))._replace(
+                output_counts=dict(Counter(torch.randint(0, 300, (10 * i,), generator=gen).tolist()))) for i in range(8)]
+    _assert_adjusted_alone_as_in_a_batch(logits, seqs)
 
 
 def test_greedy_rows_with_a_penalty_or_bias_take_the_adjusted_argmax():
@@ -302,13 +306,7 @@ def test_rows_with_every_vllm_adjustment_are_the_same_alone_or_in_a_batch():
                                 frequency_penalty=0.1 * i, allowed_token_ids=list(range(i, 300, 2)) if i % 2 else None),
                  rid=str(i))._replace(seen_token_ids=set(torch.randint(0, 300, (10 * i,), generator=gen).tolist()),
                                       output_counts={i: 2}) for i in range(8)]
-    batched = logits.clone()
-    adjust_logits(batched, seqs)
-    for i, seq in enumerate(seqs):
-        alone = logits[i:i + 1].clone()
-        adjust_logits(alone, [seq])
-        assert torch.equal(batched[i], alone[0])
-    assert not torch.equal(batched[7], logits[7])
+    _assert_adjusted_alone_as_in_a_batch(logits, seqs)
 
 
 def test_bad_words_ban_their_last_token_after_the_rest():

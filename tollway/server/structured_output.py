@@ -85,15 +85,17 @@ def structured_outputs_grammar(spec: dict[str, Any] | None) -> str | None:
     return guided_grammar(STRUCTURED_OUTPUTS[kind], spec[kind], param=param)
 
 
-def _checked(make, text: str, param: str) -> str:
-    """A grammar made by `make` from `text`, which llguidance has checked; else a 400 naming `param`."""
+def _checked(make, source, param: str, what: str | None = None) -> str:
+    """A grammar made by `make` from `source`, which llguidance has checked; else a 400 naming
+    `param` that says `what` went wrong."""
+    what = what or f"{param} is not a grammar llguidance can follow"
     try:
-        grammar = make(text)
+        grammar = make(source)
     except ValueError as e:
-        raise APIError(400, f"{param} is not a grammar llguidance can follow: {e}", param=param) from None
+        raise APIError(400, f"{what}: {e}", param=param) from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise APIError(400, f"{param} is not a grammar llguidance can follow: {error}", param=param)
+        raise APIError(400, f"{what}: {error}", param=param)
     return grammar
 
 
@@ -123,12 +125,6 @@ def response_grammar(response_format: dict[str, Any] | None) -> str | None:
 def json_grammar(schema: dict[str, Any], strict: bool, param: str) -> str:
     """The grammar of compact JSON that validates against `schema`; a 400 naming `param` if it
     cannot be enforced."""
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False, "lenient": not strict})
-    except ValueError as e:
-        raise APIError(400, f"the JSON schema is not valid: {e}", param=param) from None
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise APIError(400, f"the JSON schema cannot be enforced: {error}", param=param)
-    return grammar
+    defaults = {"whitespace_flexible": False, "lenient": not strict}
+    return _checked(lambda s: LLMatcher.grammar_from_json_schema(s, defaults=defaults), schema, param,
+                    "the JSON schema cannot be enforced")
