@@ -268,3 +268,49 @@ def test_the_grafana_board_queries_only_what_metrics_serves(server):
     assert source["datasources"][0]["uid"] == variable["current"]["value"]
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]
     assert [(s["job_name"], s["metrics_path"]) for s in scrape] == [("tollway", "/metrics")]
+
+
+def test_a_profile_fitted_to_the_servers_own_steps_simulates_its_run(server, default_tokenizer, tmp_path):
+    """tollway bench serves a closed loop; `tollway profile --from` fits the machine to the steps
+    the server kept; the simulator, on that profile and the server's scheduler settings, runs the
+    same workload at about the same throughput and TPOT: a loose bound (the benchmark,
+    sim_fidelity.py, holds the tight one)."""
+    import copy
+
+    from tollway.bench.run import BenchConfig, run_bench
+    from tollway.cli import main
+    from tollway.scheduler.machine_profile import MachineProfile
+    from tollway.sim.live_profile import MIN_STEPS
+    from tollway.sim.simulator import simulate
+    from tollway.traffic.patterns import Limits, LoadPattern
+    from tollway.traffic.workload import Lengths, Workload
+
+    assert httpx.get(server["url"] + "/dashboard/steps", headers={"Authorization": f"Bearer {USER}"}).status_code == 403
+    workload = Workload(Lengths(24, 0, 24, 24), Lengths(12, 0, 12, 12), True, {"fast": 0.25, "standard": 0.75}, None, 5)
+    load, limits = LoadPattern("concurrency 6", concurrency=6), Limits(max_requests=48, warmup=2.0)
+    served = run_bench(BenchConfig(server["url"], MODEL, workload, limits, [load], api_key=USER), default_tokenizer,
+                       show=False)["stages"][0]["summary"]["all"]
+    body = httpx.get(server["url"] + "/dashboard/steps", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    assert len(body["steps"]) >= MIN_STEPS
+    path = tmp_path / "served-profile.json"
+    assert main(["profile", "--from", server["url"] + "/v1", "--admin-key", ADMIN, "--output", str(path)]) == 0
+    profile = MachineProfile.load(path)
+    assert len(profile.samples) >= len(body["steps"]) and profile.hardware.endswith(", served")
+    assert all(part >= 0 for part in profile.overhead) and sum(profile.overhead) > 0
+    model = profile.step_model(adaptive=False)
+    measured = sum(s[-1] for s in profile.samples)
+    assert sum(model.predict(shape) for shape, _ in profile.shapes()) == pytest.approx(measured, rel=0.15)
+
+    config = copy.deepcopy(server["sync"].scheduler.config)
+    sim = simulate(config, profile, workload, [load], limits, progress=False)["stages"][0]["summary"]["all"]
+    assert sim["output_tok_s"] == pytest.approx(served["output_tok_s"], rel=0.5)
+    assert sim["tpot"]["p50"] == pytest.approx(served["tpot"]["p50"], rel=0.5)
+
+
+def test_profile_from_a_server_it_cannot_read_is_one_line(capsys):
+    from tollway.cli import main
+
+    assert main(["profile", "--from", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tollway: error: profile --from: cannot reach http://127.0.0.1:9/dashboard/steps") \
+        and err.count("\n") == 1

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tollway.model.measured import device_name
 from tollway.model.step_profile import block_tables, profile_plans, samples_to_json
 from tollway.request import SamplingParams
-from tollway.scheduler.machine_profile import MachineProfile
+from tollway.scheduler.machine_profile import MachineProfile, overhead_line
 from tollway.scheduler.plan import ScheduledSeq, StepPlan
 from tollway.scheduler.step_model import StepTimeModel
 
@@ -68,12 +68,15 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     # hiccups alike) are what its headroom must cover, and the simulator must draw.
     fitted = StepTimeModel.fit(samples)
     jitter = [t / fitted.predict(plan.shape) for plan, times in zip(plans, timed) for t in times]
-    cpu = device_name()
-    hardware = f"this machine: {cpu}" + ("" if engine.device.type == "cuda" else f" ({os.cpu_count()} cores)")
     int8_max_tokens, dense_kernel = kernel_choice(sched)
-    return MachineProfile(hardware, engine.config.model, samples_to_json(samples), int8_max_tokens,
+    return MachineProfile(hardware_name(engine.device), engine.config.model, samples_to_json(samples), int8_max_tokens,
                           dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
                           notes=f"tollway profile, {len(samples)} steps")
+
+
+def hardware_name(device: torch.device) -> str:
+    """What a profile says it was measured on."""
+    return f"this machine: {device_name()}" + ("" if device.type == "cuda" else f" ({os.cpu_count()} cores)")
 
 
 def _timed(runner, plan, repeats: int) -> list[float]:
@@ -112,8 +115,4 @@ def engine_overhead(engine, sizes: tuple[int, ...] = (1, 16), new_tokens: int = 
                 wall = time.perf_counter() - start
                 if report.ran:
                     points.append((len(report.plan.seqs), max(0.0, wall - report.result.seconds)))
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-    return [max(0.0, my - slope * mx), slope]
+    return overhead_line(points)

@@ -8,6 +8,7 @@ of measured steps about the fitted model; and the kernel settings the scheduler 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,3 +71,13 @@ class MachineProfile:
         often left simulated standard steps 18% slower per token than the engine's, against
         11%, in sim_fidelity); fixed for the simulator's ground truth."""
         return StepTimeModel.fit(self.shapes(), refit_every=16 if adaptive else 1 << 62)
+
+
+def overhead_line(points: list[tuple[int, float]]) -> list[float]:
+    """[a, b]: seconds = a + b x sequences, the least-squares line through (sequences, seconds)
+    points of the engine's time per step beside the runner, neither part below 0."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return [max(0.0, my - slope * mx), slope]

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from tollway.meter.canary_report import compare
+from tollway.model.machine_profiler import hardware_name, kernel_choice
 from tollway.server.canary import Canary
 from tollway.server.keys import Gatekeeper
 from tollway.server.live_stats import LiveStats
@@ -76,6 +77,16 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
                 "price_per_hour": meter.price_card.price_per_hour if meter is not None else None,
                 **stats.snapshot(samples), "budgets": budgets,
                 "canary": await asyncio.to_thread(canary_comparison, now)}
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    @router.get("/dashboard/steps", dependencies=[Depends(admin)])
+    async def steps() -> JSONResponse:
+        """The steps kept (LiveStats.steps) and the kernel choice a simulation of them needs:
+        what `tollway profile --from URL` fits this machine's profile to, under real traffic."""
+        engine = stats.engine.engine
+        int8_max_tokens, dense_kernel = kernel_choice(engine.scheduler.config)
+        body = {"model": model_name, "hardware": hardware_name(engine.device), "int8_max_tokens": int8_max_tokens,
+                "dense_kernel": dense_kernel, "steps": await asyncio.to_thread(stats.steps)}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

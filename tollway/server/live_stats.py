@@ -66,6 +66,7 @@ class StepSample:
     prefix_queried: int  # prompt tokens of requests that got their first token in this step
     prefix_hits: int  # of those, found in the prefix cache
     split: StepSplit
+    shape: StepShape  # what the step model saw of it: `tollway profile --from` fits a profile to these
 
 
 class LiveStats:
@@ -116,7 +117,7 @@ class LiveStats:
             held.kv_usage, tuple(held.running[t] for t in TIERS), tuple(held.waiting[t] for t in TIERS),
             tuple(tokens[t] for t in TIERS), tuple(b - a for a, b in zip(self._charged, charged)),
             tuple(finished[t] for t in TIERS), queried, hits,
-            StepSplit.of(plan, result, report.step_model))
+            StepSplit.of(plan, result, report.step_model), plan.shape)
         self._charged = charged
         with self._lock:
             self._steps.append(sample)
@@ -168,6 +169,15 @@ class LiveStats:
         if samples:
             body["samples"] = {"ttft": ttft, "tpot": tpot}
         return body
+
+
+    def steps(self) -> list[list]:
+        """Every step kept, oldest first, as `tollway profile --from` reads them: [monotonic end
+        time, kernel, tokens, sampled, attention, chunks, sequences, runner seconds, requests
+        running after it (more than 0: the next step began at once)]."""
+        with self._lock:
+            steps = list(self._steps)
+        return [[s.time, *s.shape, s.seqs, s.seconds, sum(s.running)] for s in steps]
 
 
 # These three are public: a fleet's dashboard (tollway/fleet/dashboard.py) works its figures
