@@ -94,7 +94,7 @@ def run(settings: dict, quick: bool) -> dict:
     lanes = [c.lane or "standard" for c in advice.classes]  # a class no lane serves runs in standard
     with tempfile.TemporaryDirectory(prefix="tollway-advise-check-") as tmp:
         tmp, port = Path(tmp), free_port()
-        command = [*_tollway_command(port, tmp, os.cpu_count()), "--config", str(config)]
+        command = [*_tollway_command(DEFAULT_MODEL, DEFAULT_MODEL, port, tmp, os.cpu_count()), "--config", str(config)]
         with serving("tollway", command, port, tmp / "tollway.log"):
             load_average = {"start": os.getloadavg()[0]}
             records = asyncio.run(_traffic(f"http://127.0.0.1:{port}", classes, lanes, settings))

@@ -1,0 +1,226 @@
+"""The simulator's latencies against a served run: `tollway serve` over HTTP with streaming, at
+30%, 60%, 90% and 110% of the machine's capacity, each lane's TTFT and TPOT at p50 and p99 and
+the output tok/s, beside `tollway simulate` of the same workloads.
+
+    python benchmarks/sim_fidelity_served.py          # about 15 min on a quiet 2-core machine
+    python benchmarks/sim_fidelity_served.py --quick  # a smaller run, for development; writes benchmarks/out/ only
+
+Two profiles are judged, each taken before the loads it predicts:
+- the grid: `tollway profile` in its own process, the runner timed alone over a grid of steps;
+- served: `tollway profile --from` the server, fitted to its own steps during the capacity run
+  (a closed loop at saturation, the first thing the server serves), so the server's own work on
+  the cores (HTTP, streaming, detokenizing) and the machine's level that minute are in it.
+
+The workload is the issue's: Poisson arrivals, 10% fast, fixed prompt and output lengths,
+`ignore_eos`, greedy, speculation off on both sides (the simulator does not draft). Capacity is
+the capacity run's completed requests per second. Each load is simulated SIM_SEEDS times with
+different jitter draws; a figure's simulated value is the draws' mean. Targets (the issue's):
+every lane's TTFT and TPOT at p50 and p99 within 10%, output tok/s within 5%.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so a plain checkout runs it without `pip install -e .`
+
+from bench_example import free_port  # noqa: E402
+from common import machine_info, run_benchmark, targets_line  # noqa: E402
+from sim_fidelity import step_figures  # noqa: E402
+from vs_llamacpp import _tollway_source, serving  # noqa: E402
+from tollway.bench.client import OpenAIClient, now_clock  # noqa: E402
+from tollway.bench.load import run_stage  # noqa: E402
+from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path  # noqa: E402
+from tollway.config import load_config  # noqa: E402
+from tollway.scheduler.machine_profile import MachineProfile  # noqa: E402
+from tollway.sim.live_profile import live_profile  # noqa: E402
+from tollway.sim.simulator import simulate  # noqa: E402
+from tollway.text.tokenizer import Tokenizer  # noqa: E402
+from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
+from tollway.traffic.stats import SLO, summarize  # noqa: E402
+from tollway.traffic.workload import Lengths, Requests, Workload  # noqa: E402
+
+FULL = dict(loads=(0.3, 0.6, 0.9, 1.1), requests=200, warmup=5.0, prompt=100, output=96,
+            mix={"fast": 0.1, "standard": 0.9}, saturation=dict(concurrency=32, requests=96), profile_flags=[])
+QUICK = dict(loads=(0.5, 1.0), requests=40, warmup=2.0, prompt=32, output=32,
+             mix={"fast": 0.2, "standard": 0.8}, saturation=dict(concurrency=16, requests=128),
+             profile_flags=["--quick"])
+SERVER_CONFIG = "[scheduler]\nspeculative_tokens = 0\n"
+SIM_SEEDS = 8
+TARGETS = {"latency": 0.10, "output_tok_s": 0.05}
+FIGURES = [("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99")]
+
+
+def run(s: dict, quick: bool) -> dict:
+    machine, source = machine_info(), _tollway_source()
+    out = ROOT / "benchmarks" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "sim_fidelity_served.toml"
+    config_path.write_text(SERVER_CONFIG)
+    grid_path = out / "sim_fidelity_served-grid-profile.json"
+    subprocess.run([sys.executable, "-m", "tollway", "profile", *s["profile_flags"], "--config", str(config_path),
+                    "--output", str(grid_path)], cwd=ROOT, check=True)
+    workload = Workload(Lengths(s["prompt"], 0, s["prompt"], s["prompt"]),
+                        Lengths(s["output"], 0, s["output"], s["output"]), True, s["mix"], None, seed=17)
+    with tempfile.TemporaryDirectory(prefix="tollway-sim-fidelity-") as tmp:
+        tmp, port = Path(tmp), free_port()
+        command = [sys.executable, "-m", "tollway", "serve", "--port", str(port), "--threads", str(os.cpu_count()),
+                   "--config", str(config_path), "--data-dir", str(tmp), "--keys-db", str(tmp / "keys.sqlite")]
+        with serving("tollway", command, port, tmp / "tollway.log"):
+            url = f"http://127.0.0.1:{port}"
+            served = asyncio.run(_serve_loads(url, workload, s))
+            steps = httpx.get(url + "/dashboard/steps", timeout=60).json()
+    ends = [load["first_step"] for load in served["loads"][1:]] + [len(steps["steps"])]
+    for load, end in zip(served["loads"], ends):
+        load["served_steps"] = _served_step_figures(steps["steps"][load.pop("first_step"):end])
+    # The served profile: the capacity run's steps only, what the machine did before the loads.
+    calibration = {**steps, "steps": steps["steps"][:served["capacity"]["steps"]]}
+    profiles = {"grid": MachineProfile.load(grid_path), "served": live_profile(calibration, "the capacity run")}
+    profiles["served"].save(out / "sim_fidelity_served-served-profile.json")  # for a look at it afterwards
+    scheduler = load_config(config_path).scheduler
+    loads = []
+    for load in tqdm(served["loads"], desc="simulating the loads", unit="load"):
+        pattern, limits = LoadPattern(load["name"], rate=load["rate"]), Limits(max_requests=s["requests"],
+                                                                               warmup=s["warmup"])
+        simulated, sim_steps = {}, {}
+        for name, profile in profiles.items():
+            draws = [simulate(scheduler, profile, workload, [pattern], limits, progress=False, seed=workload.seed + k)
+                     ["stages"][0] for k in range(SIM_SEEDS)]
+            simulated[name] = _figures_mean([_figures(d["summary"]) for d in draws])
+            sim_steps[name] = step_figures(draws[0])
+        loads.append({**load, "simulated": simulated, "simulated_steps": sim_steps,
+                      "errors": {name: _errors(load["served"], sim) for name, sim in simulated.items()}})
+    targets = {f"{load['name']}_{name}_{what}": ok for load in loads for name in profiles
+               for what, ok in _met(load["errors"][name]).items()}
+    return {"command": "python benchmarks/sim_fidelity_served.py" + (" --quick" if quick else ""),
+            "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
+            "settings": {k: v for k, v in s.items()}, "server_config": SERVER_CONFIG, "sim_seeds": SIM_SEEDS,
+            "capacity": served["capacity"],
+            "profiles": {name: {"hardware": p.hardware, "steps": len(p.samples), "overhead": p.overhead,
+                                "jitter_mean": statistics.fmean(p.jitter)} for name, p in profiles.items()},
+            "loads": loads, "targets": targets}
+
+
+async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
+    """The capacity run, then each load in turn; each stage's per-tier figures."""
+    tokenizer = Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
+    client, clock = OpenAIClient(url, DEFAULT_MODEL), now_clock()
+    try:
+        sat = s["saturation"]
+        stage = await run_stage(client, Requests(workload, tokenizer),
+                                LoadPattern("capacity", concurrency=sat["concurrency"]),
+                                Limits(max_requests=sat["requests"], warmup=s["warmup"]), clock)
+        summary = summarize(stage.records, SLO({}), None)
+        async with httpx.AsyncClient() as http:
+            kept = len((await http.get(url + "/dashboard/steps", timeout=60)).json()["steps"])
+        capacity = {"requests_per_s": summary["all"]["requests_per_s"],
+                    "output_tok_s": summary["all"]["output_tok_s"], "steps": kept}
+        loads = []
+        for share in tqdm(s["loads"], desc="serving the loads", unit="load"):
+            rate = share * capacity["requests_per_s"]
+            async with httpx.AsyncClient() as http:
+                first = len((await http.get(url + "/dashboard/steps", timeout=60)).json()["steps"])
+            stage = await run_stage(client, Requests(workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
+                                    Limits(max_requests=s["requests"], warmup=s["warmup"]), clock)
+            loads.append({"name": f"{share:.0%}", "share": share, "rate": rate, "first_step": first,
+                          "served": _figures(summarize(stage.records, SLO({}), None))})
+    finally:
+        await client.close()
+    return {"capacity": capacity, "loads": loads}
+
+
+def _served_step_figures(steps: list[list]) -> dict | None:
+    """A load's steps as the server kept them (LiveStats.steps), in step_figures' terms."""
+    if len(steps) < 2:
+        return None
+    span = steps[-1][0] - steps[0][0]
+    return {"steps_per_s": (len(steps) - 1) / span if span > 0 else None,
+            "seqs_per_step": statistics.fmean(s[6] for s in steps),
+            "tokens_per_step": statistics.fmean(s[2] for s in steps),
+            "seconds_per_step": statistics.fmean(s[7] for s in steps)}
+
+
+def _figures(summary: dict) -> dict:
+    """Per tier: TTFT and TPOT at p50 and p99 (seconds), and the output tok/s; and the whole run's."""
+    tiers = {tier: {f"{kind}_{q}": t[kind][q] for kind, q in FIGURES} | {"output_tok_s": t["output_tok_s"],
+                                                                        "requests": t["completed"]}
+             for tier, t in summary["tiers"].items()}
+    return {"tiers": tiers, "output_tok_s": summary["all"]["output_tok_s"]}
+
+
+def _figures_mean(draws: list[dict]) -> dict:
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+    tiers = {tier: {k: mean([d["tiers"].get(tier, {}).get(k) for d in draws]) for k in draws[0]["tiers"][tier]}
+             for tier in draws[0]["tiers"]}
+    return {"tiers": tiers, "output_tok_s": mean([d["output_tok_s"] for d in draws])}
+
+
+def _errors(served: dict, sim: dict) -> dict:
+    def err(real, predicted):
+        return None if real in (None, 0) or predicted is None else predicted / real - 1
+    tiers = {tier: {k: err(t[k], sim["tiers"].get(tier, {}).get(k)) for k in t if k != "requests"}
+             for tier, t in served["tiers"].items()}
+    return {"tiers": tiers, "output_tok_s": err(served["output_tok_s"], sim["output_tok_s"])}
+
+
+def _met(errors: dict) -> dict[str, bool]:
+    latency = [e for t in errors["tiers"].values() for k, e in t.items() if k != "output_tok_s"]
+    return {f"latency_within_{TARGETS['latency']:.0%}": all(e is not None and abs(e) <= TARGETS["latency"]
+                                                            for e in latency),
+            f"output_tok_s_within_{TARGETS['output_tok_s']:.0%}":
+                errors["output_tok_s"] is not None and abs(errors["output_tok_s"]) <= TARGETS["output_tok_s"]}
+
+
+def markdown(r: dict, raw: str) -> str:
+    m, s, cap = r["machine"], r["settings"], r["capacity"]
+    lines = [f"Measured {r['date']} with `{r['command']}` on {m['cpu']} ({m['cores']} cores; "
+             f"{', '.join(m['isa_flags'])}), tollway at {r['tollway_source']['commit'][:7]}. Raw: `{raw}`.", "",
+             f"Workload: Poisson arrivals, tiers {', '.join(f'{t} {p:.0%}' for t, p in s['mix'].items())}, "
+             f"{s['prompt']}-token prompts, {s['output']} output tokens (`ignore_eos`), {s['requests']} requests a "
+             f"load after {s['warmup']:.0f} s, streamed over HTTP; speculation off. Capacity (a closed loop of "
+             f"{s['saturation']['concurrency']}): {cap['requests_per_s']:.2f} req/s, {cap['output_tok_s']:.0f} "
+             f"output tok/s. Simulated {r['sim_seeds']} times a load and profile (the mean).", ""]
+    for name, p in r["profiles"].items():
+        lines.append(f"- profile `{name}`: {p['hardware']}, {p['steps']} steps, engine time per step "
+                     f"{p['overhead'][0] * 1e3:.2f} ms + {p['overhead'][1] * 1e3:.3f} ms a sequence, jitter mean "
+                     f"{p['jitter_mean']:.2f}")
+    lines += ["", "Each cell: served / simulated on the grid profile / on the served profile (ms, or tok/s), then "
+              "the two errors.", "",
+              "| load | lane | " + " | ".join(f"{k.upper()} {q}" for k, q in FIGURES) + " | output tok/s |",
+              "|---|---|" + "---|" * (len(FIGURES) + 1)]
+    for load in r["loads"]:
+        for tier, t in load["served"]["tiers"].items():
+            cells = []
+            for key in [f"{k}_{q}" for k, q in FIGURES] + ["output_tok_s"]:
+                scale = 1 if key == "output_tok_s" else 1e3
+                values = [t[key], load["simulated"]["grid"]["tiers"].get(tier, {}).get(key),
+                          load["simulated"]["served"]["tiers"].get(tier, {}).get(key)]
+                errs = [load["errors"][n]["tiers"][tier].get(key) for n in ("grid", "served")]
+                cells.append(" / ".join("–" if v is None else f"{v * scale:.0f}" for v in values) + " ("
+                             + ", ".join("–" if e is None else f"{e:+.0%}" for e in errs) + ")")
+            lines.append(f"| {load['name']} ({load['rate']:.2f}/s) | {tier} ({t['requests']}) | " + " | ".join(cells) + " |")
+    lines += ["", "Steps, served / grid / served profile (steps/s, sequences and tokens per step, ms per step):", ""]
+    for load in r["loads"]:
+        sides = [load["served_steps"], load["simulated_steps"]["grid"], load["simulated_steps"]["served"]]
+        lines.append(f"- {load['name']}: " + "; ".join(
+            " / ".join("–" if side is None or side[k] is None else f"{side[k] * scale:.{digits}f}" for side in sides)
+            for k, scale, digits in (("steps_per_s", 1, 1), ("seqs_per_step", 1, 1), ("tokens_per_step", 1, 1),
+                                     ("seconds_per_step", 1e3, 1))))
+    lines += ["", targets_line(r["targets"])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_benchmark("sim_fidelity_served", __doc__, run, markdown, FULL, QUICK)
