@@ -199,3 +199,18 @@ def _saved(tmp_path):
     path = tmp_path / "profile.json"
     linear_profile().save(path)
     return path
+
+
+def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
+    import dataclasses
+
+    from tollway.traffic.report import render
+
+    grid = run(requests=20)
+    missing = " ".join(grid["simulation"]["left_out"])
+    assert "n-gram drafts" in missing and "the server's own work" in missing and "prefix-cache" in missing
+    served = simulate(config(speculative_tokens=0), dataclasses.replace(linear_profile(), served=True), workload(),
+                      [LoadPattern("rate 20/s", rate=20.0)], Limits(max_requests=20), progress=False)
+    missing = " ".join(served["simulation"]["left_out"])
+    assert "n-gram drafts" not in missing and "the server's own work" not in missing
+    assert "Not simulated: prefix-cache hits" in render([grid])

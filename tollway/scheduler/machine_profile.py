@@ -30,6 +30,9 @@ class MachineProfile:
     jitter: list[float] = field(default_factory=list)  # measured / fitted time of profiled steps
     usd_per_hour: float | None = None  # one replica's price, where known
     kv_tokens: int | None = None  # KV cache capacity, where the profile knows it (sets num_blocks)
+    # Fitted to a server's own steps (tollway profile --from): its HTTP and streaming work on the
+    # cores is in the step times, where a grid profile times the runner alone.
+    served: bool = False
     notes: str = ""
 
     def to_dict(self) -> dict:

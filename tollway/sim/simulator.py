@@ -321,5 +321,19 @@ def simulate(config: SchedulerConfig, machine: MachineProfile, workload: Workloa
                        "steps": len(sim.steps), "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
                        # held idle for the fast lane after its last fast request: no one was charged it
                        "readiness_seconds": sum(r.readiness_seconds for r in sim.replicas),
-                       "trace": trace is not None},
+                       "trace": trace is not None, "left_out": left_out(config, machine)},
     }
+
+
+def left_out(config: SchedulerConfig, machine: MachineProfile) -> list[str]:
+    """What a served run of these settings does that the simulation does not: the bench report
+    says so beside the simulated figures."""
+    missing = ["prefix-cache hits (every simulated prompt is its own)",
+               "a step paused between layers for a fast arrival (a simulated step runs whole)"]
+    if config.speculative_tokens:
+        missing.append(f"the fast lane's n-gram drafts (speculative_tokens = {config.speculative_tokens}: "
+                       "stand-in tokens never repeat, so nothing is drafted)")
+    if not machine.served:
+        missing.append("the server's own work on the same cores (HTTP, streaming, detokenizing): the profile "
+                       "times the runner alone; `tollway profile --from URL` fits one to a server's own steps")
+    return missing

@@ -72,6 +72,10 @@ def render(results: list[dict]) -> str:
             f"SLOs: {html.escape(_slo_text(r['slo']))}. Cost: "
             f"{'$%.2f/hour' % r['usd_per_hour'] if r['usd_per_hour'] is not None else 'the server’s usage.cost, where given'}."
             "</p>")
+        missing = r.get("simulation", {}).get("left_out")
+        if missing:
+            parts.append("<p class='meta left-out'>Not simulated: " + "; ".join(html.escape(m) for m in missing)
+                         + ".</p>")
     for key, title, draw in PLOTS:
         svg = draw(results)
         body = svg if svg else f"<p class='missing'>Nothing to plot: {_why_missing(key)}</p>"
