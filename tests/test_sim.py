@@ -214,3 +214,12 @@ def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
     missing = " ".join(served["simulation"]["left_out"])
     assert "n-gram drafts" not in missing and "the server's own work" not in missing
     assert "Not simulated: prefix-cache hits" in render([grid])
+
+
+def test_a_profile_says_how_far_the_machine_drifted_while_it_was_measured():
+    import dataclasses
+
+    steady = dataclasses.replace(linear_profile(), jitter=[1.0, 1.02] * 10)
+    slowing = dataclasses.replace(linear_profile(), jitter=[1.0] * 10 + [1.1] * 10)
+    assert abs(steady.drift()) < 0.001 and slowing.drift() == pytest.approx(0.1)
+    assert linear_profile().drift() is None  # three timings tell nothing

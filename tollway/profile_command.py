@@ -45,8 +45,11 @@ def profile_main(args) -> int:
         profile.usd_per_hour = args.usd_per_hour
     profile.save(args.output)
     kind = "estimated" if profile.estimate else "measured"
-    print(f"tollway profile: {kind} {len(profile.samples)} steps on {profile.hardware}; wrote {args.output}",
-          file=sys.stderr)
+    drift = None if profile.estimate else profile.drift()
+    print(f"tollway profile: {kind} {len(profile.samples)} steps on {profile.hardware}; wrote {args.output}"
+          + ("" if drift is None else f"; the machine drifted {drift:+.1%} from the first half of the steps to the "
+                                      "second" + (" (more than 5%: its step times are not steady)" if abs(drift) > 0.05
+                                                  else "")), file=sys.stderr)
     return 0
 
 

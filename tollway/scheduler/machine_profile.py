@@ -68,6 +68,15 @@ class MachineProfile:
         return [(StepShape(kernel, tokens, sampled, attention, chunks), seconds)
                 for kernel, tokens, sampled, attention, chunks, seconds in self.samples]
 
+    def drift(self) -> float | None:
+        """How much slower (above 0) or faster the machine ran at the end of the profiling than at
+        its start: the later half's steps over the fit against the earlier half's (the jitter is in
+        the order the steps ran). None without enough steps to tell."""
+        half = len(self.jitter) // 2
+        if half < 8:
+            return None
+        return statistics.fmean(self.jitter[half:]) / statistics.fmean(self.jitter[:half]) - 1
+
     def step_model(self, adaptive: bool = True) -> StepTimeModel:
         """The model fitted to the samples: adaptive for a scheduler (it tracks its overruns and
         refits from the steps it sees every 16 steps, as the engine's does: refitting less
