@@ -86,6 +86,10 @@ VLLM_PARAMS = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repe
 
 @pytest.mark.parametrize("params", VLLM_PARAMS, ids=["greedy", "seeded"])
 def test_vllm_sampling_fields_match_alone(make_engine, run_to_completion, kernel, prompts, params):
+    # The fields act on a row's logits, after the kernel: the fp32 kernel's own invariance is
+    # the other tests', at a fifth of the int8 kernel's speed.
+    if kernel == "fp32":
+        pytest.skip("the sampler's fields are kernel-independent: int8 and auto check them")
     few = prompts[:8]
     engine = make_engine(kernel=kernel)
     alone = [run_to_completion(engine, [p], params)[0][0].token_ids for p in few]
