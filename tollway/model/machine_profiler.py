@@ -71,6 +71,7 @@ def measure(engine, grid: Grid | None = None, progress: bool = True) -> MachineP
     int8_max_tokens, dense_kernel = kernel_choice(sched)
     return MachineProfile(hardware_name(engine.device), engine.config.model, samples_to_json(samples), int8_max_tokens,
                           dense_kernel, estimate=False, overhead=engine_overhead(engine), jitter=jitter,
+                          pause_layers=sched.pause_layers,
                           notes=f"tollway profile, {len(samples)} steps")
 
 

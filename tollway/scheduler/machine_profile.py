@@ -33,6 +33,10 @@ class MachineProfile:
     # Fitted to a server's own steps (tollway profile --from): its HTTP and streaming work on the
     # cores is in the step times, where a grid profile times the runner alone.
     served: bool = False
+    # The engine's SchedulerConfig.pause_layers: its steps stop between layers for a fast
+    # arrival, so its scheduler plans longer steps beside the fast lane than one whose steps run
+    # whole. The simulated scheduler must plan as the engine's does.
+    pause_layers: int = 0
     notes: str = ""
 
     def to_dict(self) -> dict:

@@ -86,7 +86,8 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
         engine = stats.engine.engine
         int8_max_tokens, dense_kernel = kernel_choice(engine.scheduler.config)
         body = {"model": model_name, "hardware": hardware_name(engine.device), "int8_max_tokens": int8_max_tokens,
-                "dense_kernel": dense_kernel, "steps": await asyncio.to_thread(stats.steps)}
+                "dense_kernel": dense_kernel, "pause_layers": engine.scheduler.config.pause_layers,
+                "steps": await asyncio.to_thread(stats.steps)}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

@@ -30,4 +30,4 @@ def live_profile(body: dict, source: str) -> MachineProfile:
     return MachineProfile(f"{body['hardware']}, served", body["model"],
                           [[s.kernel, s.tokens, s.sampled, s.attention, s.chunks, t] for s, t in samples],
                           body["int8_max_tokens"], body["dense_kernel"], estimate=False, overhead=overhead,
-                          jitter=jitter, served=True, notes=f"tollway profile --from {source}: {len(steps)} served steps")
+                          jitter=jitter, served=True, pause_layers=body.get("pause_layers", 0), notes=f"tollway profile --from {source}: {len(steps)} served steps")

@@ -103,6 +103,7 @@ class Simulator:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
         config.int8_max_tokens, config.dense_kernel = machine.int8_max_tokens, machine.dense_kernel
+        config.pause_layers = machine.pause_layers  # plan as the profiled engine plans (run_stage runs steps whole)
         config.speculative_tokens = 0  # stand-in tokens never repeat: no draft would be found
         # Every prompt starts with its own token: no prefix ever hits, and hashing every block of
         # every prompt for the cache was a third of a large simulation's time.
@@ -328,8 +329,11 @@ def simulate(config: SchedulerConfig, machine: MachineProfile, workload: Workloa
 def left_out(config: SchedulerConfig, machine: MachineProfile) -> list[str]:
     """What a served run of these settings does that the simulation does not: the bench report
     says so beside the simulated figures."""
-    missing = ["prefix-cache hits (every simulated prompt is its own)",
-               "a step paused between layers for a fast arrival (a simulated step runs whole)"]
+    missing = ["prefix-cache hits (every simulated prompt is its own)"]
+    if machine.pause_layers:
+        missing.append("a step paused between layers for a fast arrival: the scheduler plans steps as the "
+                       "engine's does, but a simulated step runs whole, so a fast request that arrives "
+                       "mid-step waits for all of it")
     if config.speculative_tokens:
         missing.append(f"the fast lane's n-gram drafts (speculative_tokens = {config.speculative_tokens}: "
                        "stand-in tokens never repeat, so nothing is drafted)")
