@@ -80,12 +80,14 @@ def run(s: dict, quick: bool) -> dict:
             url = f"http://127.0.0.1:{port}"
             served = asyncio.run(_serve_loads(url, workload, s))
             steps = httpx.get(url + "/dashboard/steps", timeout=60).json()
-    ends = [load["first_step"] for load in served["loads"][1:]] + [len(steps["steps"])]
+    # Step counts are the server's totals; the steps it kept are the last of them.
+    offset = steps["total"] - len(steps["steps"])
+    ends = [load["first_step"] for load in served["loads"][1:]] + [steps["total"]]
     for load, end in zip(served["loads"], ends):
-        load["served_steps"] = _served_step_figures(steps["steps"][load.pop("first_step"):end])
+        load["served_steps"] = _served_step_figures(steps["steps"][max(0, load.pop("first_step") - offset):end - offset])
     # The served profile: the capacity run's steps only, what the machine did before the loads.
-    calibration = {**steps, "steps": steps["steps"][:served["capacity"]["steps"]]}
-    profiles = {"grid": MachineProfile.load(grid_path), "served": live_profile(calibration, "the capacity run")}
+    profiles = {"grid": MachineProfile.load(grid_path),
+                "served": live_profile(served.pop("calibration"), "the capacity run")}
     profiles["served"].save(out / "sim_fidelity_served-served-profile.json")  # for a look at it afterwards
     scheduler = load_config(config_path).scheduler
     loads = []
@@ -121,22 +123,22 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
                                 LoadPattern("capacity", concurrency=sat["concurrency"]),
                                 Limits(max_requests=sat["requests"], warmup=s["warmup"]), clock)
         summary = summarize(stage.records, SLO({}), None)
-        async with httpx.AsyncClient() as http:
-            kept = len((await http.get(url + "/dashboard/steps", timeout=60)).json()["steps"])
+        async with httpx.AsyncClient() as http:  # the capacity run's steps, before the loads push them out
+            calibration = (await http.get(url + "/dashboard/steps", timeout=60)).json()
         capacity = {"requests_per_s": summary["all"]["requests_per_s"],
-                    "output_tok_s": summary["all"]["output_tok_s"], "steps": kept}
+                    "output_tok_s": summary["all"]["output_tok_s"], "steps": calibration["total"]}
         loads = []
         for share in tqdm(s["loads"], desc="serving the loads", unit="load"):
             rate = share * capacity["requests_per_s"]
             async with httpx.AsyncClient() as http:
-                first = len((await http.get(url + "/dashboard/steps", timeout=60)).json()["steps"])
+                first = (await http.get(url + "/dashboard/steps", timeout=60)).json()["total"]
             stage = await run_stage(client, Requests(workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
                                     Limits(max_requests=s["requests"], warmup=s["warmup"]), clock)
             loads.append({"name": f"{share:.0%}", "share": share, "rate": rate, "first_step": first,
                           "served": _figures(summarize(stage.records, SLO({}), None))})
     finally:
         await client.close()
-    return {"capacity": capacity, "loads": loads}
+    return {"capacity": capacity, "loads": loads, "calibration": calibration}
 
 
 def _served_step_figures(steps: list[list]) -> dict | None:

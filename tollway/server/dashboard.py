@@ -85,9 +85,12 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
         what `tollway profile --from URL` fits this machine's profile to, under real traffic."""
         engine = stats.engine.engine
         int8_max_tokens, dense_kernel = kernel_choice(engine.scheduler.config)
+        total, steps = await asyncio.to_thread(stats.steps)
+        # total: steps run since start, of which these are the last (a client that counts steps
+        # between two reads takes its own from the end)
         body = {"model": model_name, "hardware": hardware_name(engine.device), "int8_max_tokens": int8_max_tokens,
                 "dense_kernel": dense_kernel, "pause_layers": engine.scheduler.config.pause_layers,
-                "steps": await asyncio.to_thread(stats.steps)}
+                "total": total, "steps": steps}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

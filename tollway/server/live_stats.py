@@ -171,13 +171,13 @@ class LiveStats:
         return body
 
 
-    def steps(self) -> list[list]:
-        """Every step kept, oldest first, as `tollway profile --from` reads them: [monotonic end
-        time, kernel, tokens, sampled, attention, chunks, sequences, runner seconds, requests
-        running after it (more than 0: the next step began at once)]."""
+    def steps(self) -> tuple[int, list[list]]:
+        """The steps run in all, and every step kept, oldest first, as `tollway profile --from`
+        reads them: [monotonic end time, kernel, tokens, sampled, attention, chunks, sequences,
+        runner seconds, requests running after it (more than 0: the next step began at once)]."""
         with self._lock:
-            steps = list(self._steps)
-        return [[s.time, *s.shape, s.seqs, s.seconds, sum(s.running)] for s in steps]
+            total, steps = self.num_steps, list(self._steps)
+        return total, [[s.time, *s.shape, s.seqs, s.seconds, sum(s.running)] for s in steps]
 
 
 # These three are public: a fleet's dashboard (tollway/fleet/dashboard.py) works its figures
