@@ -286,8 +286,8 @@ def test_a_profile_fitted_to_the_servers_own_steps_simulates_its_run(server, def
     from tollway.traffic.workload import Lengths, Workload
 
     assert httpx.get(server["url"] + "/dashboard/steps", headers={"Authorization": f"Bearer {USER}"}).status_code == 403
-    workload = Workload(Lengths(24, 0, 24, 24), Lengths(12, 0, 12, 12), True, {"fast": 0.25, "standard": 0.75}, None, 5)
-    load, limits = LoadPattern("concurrency 6", concurrency=6), Limits(max_requests=30, warmup=1.0)
+    workload = Workload(Lengths(24, 0, 24, 24), Lengths(16, 0, 16, 16), True, {"fast": 0.25, "standard": 0.75}, None, 5)
+    load, limits = LoadPattern("concurrency 6", concurrency=6), Limits(max_requests=40, warmup=1.0)
     served = run_bench(BenchConfig(server["url"], MODEL, workload, limits, [load], api_key=USER), default_tokenizer,
                        show=False)["stages"][0]["summary"]["all"]
     body = httpx.get(server["url"] + "/dashboard/steps", headers={"Authorization": f"Bearer {ADMIN}"}).json()
