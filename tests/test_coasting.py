@@ -59,18 +59,26 @@ SCENARIOS = {
                                             mix={"fast": 0.1, "standard": 0.3, "batch": 0.6}, coasted=0.6),
     "fcfs, KV pressure": dict(config=dict(policy="fcfs"), kv_tokens=5000, load=LoadPattern("rate", rate=500.0), coasted=0.6),
     "lanes, closed loop of 48 users": dict(config=dict(fast=0.002), load=LoadPattern("users", concurrency=48), coasted=0.6),
+    # Steps stop between layers for fast arrivals: fast steps run beside the suspended one.
+    "lanes, steps paused for fast arrivals": dict(config=dict(fast=0.0025), pause_layers=18, coasted=0.5, requests=800,
+                                                 mix={"fast": 0.04, "standard": 0.76, "batch": 0.2},
+                                                 load=LoadPattern("rate", rate=80.0)),
+    "lanes, paused steps under KV pressure, 2 replicas": dict(
+        config=dict(fast=0.0025), kv_tokens=6000, replicas=2, pause_layers=18, coasted=0.4, requests=400,
+        mix={"fast": 0.08, "standard": 0.62, "batch": 0.3}, load=LoadPattern("rate", rate=60.0)),
 }
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_coasting_gives_the_same_simulation_as_planning_every_sequence(name, h200):
     s = SCENARIOS[name]
-    profile = dataclasses.replace(h200, kv_tokens=s.get("kv_tokens", h200.kv_tokens))
+    profile = dataclasses.replace(h200, kv_tokens=s.get("kv_tokens", h200.kv_tokens), pause_layers=s.get("pause_layers", 0))
     runs = {coast: _simulate(_config(**s["config"]), profile, coast, s.get("replicas", 1), s.get("load"),
                              s.get("mix", MIXED), s.get("requests", 250)) for coast in (False, True)}
     (plain, plain_stage), (coasting, coast_stage) = runs[False], runs[True]
     assert [x[1:3] for x in plain.steps] == [x[1:3] for x in coasting.steps]  # sequences, tokens per step
     assert plain.coasted == 0 and coasting.coasted > s['coasted'] * sum(x[1] for x in coasting.steps)
+    assert plain.steps_paused == coasting.steps_paused and (coasting.steps_paused > 5) == bool(s.get("pause_layers"))
     for a, b in zip(plain_stage.records, coast_stage.records, strict=True):
         assert (a.tier, a.error, a.output_tokens) == (b.tier, b.error, b.output_tokens)
         assert _same(a.first_token, b.first_token) and _same(a.end, b.end)

@@ -223,3 +223,38 @@ def test_a_profile_says_how_far_the_machine_drifted_while_it_was_measured():
     slowing = dataclasses.replace(linear_profile(), jitter=[1.0] * 10 + [1.1] * 10)
     assert abs(steady.drift()) < 0.001 and slowing.drift() == pytest.approx(0.1)
     assert linear_profile().drift() is None  # three timings tell nothing
+
+
+def test_a_step_stops_between_layers_for_a_fast_arrival_and_runs_on_beside_it():
+    """Where the profiled engine's steps stop between layers (pause_layers), a fast request
+    that arrives mid-step waits for one layer of it, not all of it; the stopped step runs on
+    beside the fast steps, ends later by their time, and is billed its own runner time."""
+    import dataclasses
+
+    from tollway.sim.simulator import TraceRow
+
+    trace = [TraceRow(0.0, "standard", 512, 2), TraceRow(0.05, "fast", 16, 3)]
+
+    def play(layers):
+        profile = dataclasses.replace(linear_profile(jitter=(1.0,)), pause_layers=layers, overhead=[0.0, 0.0])
+        result = simulate(config(speculative_tokens=0), profile, workload(), [LoadPattern("trace", rate=1.0)],
+                          Limits(max_requests=2), trace=trace, progress=False)
+        standard, fast = result["stages"][0]["requests"]
+        return result["simulation"]["steps_paused"], standard, fast
+
+    prefill = 0.02 + 0.0005 * 512 + 0.002  # the standard prompt's step: 278 ms, 10 layers of 27.8 ms
+    paused, _, fast = play(0)
+    assert paused == 0 and fast["first_token"] - fast["sent"] > prefill - 0.05  # waited for the rest of it
+    paused, standard, fast = play(10)
+    assert paused == 1
+    fast_ttft = fast["first_token"] - fast["sent"]
+    layer = prefill / 10
+    assert fast_ttft < layer + 0.03, fast_ttft  # the rest of one layer, then its own 16-token step (28 ms)
+    # The fast request's three steps (its prefill, two decodes) ran beside the stopped step, a layer
+    # of it between each (a fast decode overruns its 20 ms target: nothing more fits), which then
+    # ran on to its end: its first token comes after its own layers and those three steps.
+    assert fast["end"] < standard["first_token"]
+    whole = play(0)[1]
+    delay = standard["first_token"] - whole["first_token"]
+    assert 0.03 + 2 * 0.0225 < delay < 0.03 + 2 * 0.0225 + 0.01, delay  # their steps, a few context pairs more
+    assert standard["engine_seconds"] == pytest.approx(whole["engine_seconds"], rel=0.02)

@@ -241,20 +241,13 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan.seqs:
             return self._report(None, None, [])
-        result = self.runner.execute(plan, pausable=self._may_pause(plan))
+        result = self.runner.execute(plan, pausable=self.scheduler.may_pause(plan))
         if result is None:
             self.scheduler.suspend()
             self._paused_plan, self._fast_turn = plan, True
             self.steps_paused += 1
             return self._report(None, None, [], paused=True)
         return self._commit(plan, result)
-
-    def _may_pause(self, plan: StepPlan) -> bool:
-        """Whether the step may stop for a fast arrival: not a step fast requests are in (it is
-        shaped to their target already), and only under a policy with a fast lane."""
-        fast_lane = self.scheduler.policy.fast_lane
-        return bool(self.scheduler.config.pause_layers) and fast_lane("fast") and not any(
-            fast_lane(s.tier) for s in plan.seqs)
 
     def _beside_paused(self) -> StepReport:
         """A step paused between layers: first a step of the fast requests not in it (the

@@ -119,6 +119,10 @@ class StepPlan:
     def context_tokens(self) -> int:
         return sum(s.context_len for s in self.seqs)
 
+    def runs_fast(self, fast_lane) -> bool:
+        """Whether a request of a fast lane (`fast_lane(tier)`) is in the step."""
+        return any(fast_lane(s.tier) for s in self.seqs)
+
     def __str__(self) -> str:
         parts = [f"step {self.step_id}: {self.num_decode} decode"]
         prefills = [s for s in self.seqs if not (s.is_decode or s.num_draft)]

@@ -198,6 +198,17 @@ class Scheduler:
             raise ValueError("only the plan in flight can be suspended, and one at a time")
         self._suspended, self._in_flight = (self._in_flight_step, self._in_flight), None
 
+    @property
+    def suspended_step(self) -> int | None:
+        """The step id of the suspended plan, if one is."""
+        return self._suspended[0] if self._suspended is not None else None
+
+    def may_pause(self, plan: StepPlan) -> bool:
+        """Whether the step may stop between layers for a fast arrival: not a step fast requests
+        are in (it is shaped to their target already), and only under a policy with a fast lane."""
+        fast_lane = self.policy.fast_lane
+        return bool(self.config.pause_layers) and fast_lane("fast") and not plan.runs_fast(fast_lane)
+
     def resume(self) -> None:
         """The suspended plan is again the one in flight, to be committed next."""
         if self._suspended is None or self._in_flight:  # an empty plan beside it needs no commit

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import NamedTuple
 
 from tollway.request import Request
@@ -126,9 +126,20 @@ class Coasting:
         group.count_blocks(coaster, -1)
         return coaster
 
-    def finishing(self, step: int) -> list[Coaster]:
-        """Coasters whose last token came in `step` (or before: none should)."""
-        return self._pop_live(self._finishes, step)
+    def finishing(self, step: int, groups: Container[str] | None = None) -> list[Coaster]:
+        """Coasters whose last token came in `step` (or before: none should); only those of
+        `groups` where given (the others stay for a later step)."""
+        if groups is None:
+            return self._pop_live(self._finishes, step)
+        out, later = [], []
+        while self._finishes and self._finishes[0][0] <= step:
+            entry = heapq.heappop(self._finishes)
+            coaster = entry[2]
+            if self.members.get(coaster.request.request_id) is coaster:
+                (out if coaster.group in groups else later).append(entry)
+        for entry in later:
+            heapq.heappush(self._finishes, entry)
+        return [entry[2] for entry in out]
 
     def due(self, now: float) -> list[Coaster]:
         """Coasting batch requests that have fallen due: they go back to running as standard."""

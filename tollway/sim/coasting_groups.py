@@ -50,6 +50,9 @@ class CoastingPlan(StepPlan):
     def context_tokens(self) -> int:
         return super().context_tokens + sum(g.pairs for g in self.coasting)
 
+    def runs_fast(self, fast_lane) -> bool:
+        return super().runs_fast(fast_lane) or any(g.fast for g in self.coasting)
+
     def groups(self) -> list[tuple[int, int, bool]]:
         """(count, query-key pairs, fast) per group, as attribution.shares takes them."""
         return [(g.count, g.pairs, g.fast) for g in self.coasting]
@@ -82,7 +85,12 @@ class PromisingBlockPool(BlockPool):
 
 
 class CoastingGroups(DecodeGroups):
-    """Only for a policy that coasts (Policy.coasts)."""
+    """Only for a policy that coasts (Policy.coasts).
+
+    A step may be suspended (paused between layers for a fast arrival) while fast steps run
+    beside it. Its groups are in it and in none of those: they stay as they are until it is
+    committed, and are then woken as of it, for the steps beside it broke their run of every
+    step."""
 
     def __init__(self, coasting: Coasting):
         self.coasting = coasting
@@ -101,6 +109,8 @@ class CoastingGroups(DecodeGroups):
 
     def begin_plan(self, now: float) -> None:
         self._groups_taken, self._plan_groups, self._woken = [], [], {}
+        if self.scheduler.suspended_step is not None:
+            return  # a step beside it takes only fast requests: batch ones fall due after it
         for coaster in self.coasting.due(now):
             self._wake(coaster, self.scheduler.step_id - 1)
 
@@ -126,11 +136,17 @@ class CoastingGroups(DecodeGroups):
         """Coasters whose last token came in this step finish (and join `changed`); requests
         that got a token and now decode plainly start coasting."""
         s = self.scheduler
-        starting = [c.request for c in changed if c.request.state is RequestState.RUNNING and self._may_coast(c.request, now)]
-        for coaster in self.coasting.finishing(step_id):
+        resumed = step_id != s.step_id  # a suspended step, committed after the fast steps beside it
+        starting = [] if resumed else [
+            c.request for c in changed if c.request.state is RequestState.RUNNING and self._may_coast(c.request, now)]
+        beside = s.suspended_step is not None
+        for coaster in self.coasting.finishing(step_id, self._fast_groups() if beside else None):
             self._wake(coaster, step_id)
             s.finish(coaster.request.request_id, "length")
             changed.append(Change(coaster.request, []))
+        if resumed:  # its groups ran in it and not beside it: each member steps on from here
+            for coaster in [c for c in self.coasting.members.values() if not s.policy.fast_lane(c.group)]:
+                self._wake(coaster, step_id, promised_to=step_id)
         for request in starting:
             left = min(request.params.max_tokens - len(request.output_token_ids),
                        s.max_len(request.tier) - request.num_tokens)  # tokens to come; the last stops it
@@ -155,9 +171,13 @@ class CoastingGroups(DecodeGroups):
             return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
         return not s.policy.is_due(request, now)
 
-    def _wake(self, coaster: Coaster, last_step: int) -> Request:
+    def _fast_groups(self) -> set[str]:
+        return {name for name in self.coasting.groups if self.scheduler.policy.fast_lane(name)}
+
+    def _wake(self, coaster: Coaster, last_step: int, promised_to: int | None = None) -> Request:
         """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
-        one by one from here."""
+        one by one from here. `promised_to`: the last step whose blocks it was promised
+        (default: the latest plan's, where that took its group, else the one before)."""
         s, request = self.scheduler, coaster.request
         rid = request.request_id
         self.coasting.stop(rid)
@@ -165,7 +185,8 @@ class CoastingGroups(DecodeGroups):
         # that took its group: hand out those it ran into, give back any it did not.
         pool = s.pool
         blocks_for, had = pool.blocks_for, len(pool.table(rid))
-        promised_to = s.step_id if coaster.group in self._groups_taken else s.step_id - 1
+        if promised_to is None:
+            promised_to = s.step_id if coaster.group in self._groups_taken else s.step_id - 1
         promised = blocks_for(coaster.offset + promised_to + 1) - had
         used = blocks_for(coaster.offset + last_step + 1) - had
         if promised > used:
@@ -193,7 +214,7 @@ class CoastingGroups(DecodeGroups):
         every check would pass for each member, else woken and planned with the rest."""
         s = self.scheduler
         coasters = self.coasting.groups.get(group) if group else None
-        if coasters is None:
+        if coasters is None or (s.suspended_step is not None and not s.policy.fast_lane(group)):
             yield from requests
             return
         if group in self._woken:  # woken earlier in this step (to be preempted, or not)
@@ -246,6 +267,7 @@ class CoastingGroups(DecodeGroups):
     def before_victims(self) -> None:
         """Coasting groups not in this step become preemption candidates, planned one by one
         when their phase comes."""
+        beside = self.scheduler.suspended_step is not None  # its groups are in the suspended step
         for name, group in self.coasting.groups.items():
-            if group.count and name not in self._groups_taken:
+            if group.count and name not in self._groups_taken and not (beside and not self.scheduler.policy.fast_lane(name)):
                 self._woken.setdefault(name, []).extend(self._wake_group(name))

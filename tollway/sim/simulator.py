@@ -21,6 +21,7 @@ import copy
 import datetime
 import functools
 import heapq
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,8 +47,27 @@ from tollway.traffic.results import FORMAT, stage_dict
 from tollway.traffic.stats import SLO
 from tollway.traffic.workload import Workload, read_jsonl
 
-_ARRIVAL, _STEP_DONE = 0, 1
+_ARRIVAL, _STEP_DONE, _STEP_STOPS = 0, 1, 2
 TOKEN_TIMES = 20_000
+
+
+@dataclass
+class LayerRun:
+    """Layers of a step that may stop between them for a fast arrival, running from `start`,
+    `layer_seconds` each; it stops after `stop` of them (all: `layers`) unless asked sooner."""
+    start: float
+    layer_seconds: float
+    layers: int
+    stop: int
+
+
+@dataclass
+class PausedStep:
+    """A step stopped between layers (the scheduler's suspended plan), run on in slices beside
+    fast steps, as Engine._beside_paused does."""
+    plan: StepPlan
+    runner: float  # its runner seconds, all layers
+    layers_left: int
 
 
 @dataclass
@@ -60,6 +80,9 @@ class Replica:
     busy_seconds: float = 0.0
     coasting: Coasting | None = None  # its coasters, where its scheduler coasts
     readiness_seconds: float = 0.0  # capacity held idle for the fast lane, not yet charged (as meter.py)
+    run: LayerRun | None = None  # the layers in flight, where they may stop for a fast arrival
+    paused: PausedStep | None = None
+    epoch: int = 0  # a step's end or stop scheduled under an older epoch was called off
 
 
 @dataclass
@@ -103,7 +126,7 @@ class Simulator:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
         config.int8_max_tokens, config.dense_kernel = machine.int8_max_tokens, machine.dense_kernel
-        config.pause_layers = machine.pause_layers  # plan as the profiled engine plans (run_stage runs steps whole)
+        config.pause_layers = machine.pause_layers  # plan and pause steps as the profiled engine does
         config.speculative_tokens = 0  # stand-in tokens never repeat: no draft would be found
         # Every prompt starts with its own token: no prefix ever hits, and hashing every block of
         # every prompt for the cache was a third of a large simulation's time.
@@ -133,6 +156,7 @@ class Simulator:
         self._token = seed
         self.steps: list[tuple[float, int, int, float]] = []  # (start, sequences, tokens, seconds)
         self.coasted = 0  # sequence-steps planned as coasting groups
+        self.steps_paused = 0  # steps that stopped between layers for a fast arrival
 
     # ---- a stage ---------------------------------------------------------------------------
 
@@ -165,8 +189,8 @@ class Simulator:
                 self.now = t
                 if kind == _ARRIVAL:
                     self._arrive(data)
-                else:
-                    self._finish_step(data)
+                elif data[1] == data[0].epoch:  # else called off by a stop
+                    (self._finish_step if kind == _STEP_DONE else self._stopped)(data[0])
         end = max([self.now, *(r.end for r in stage.records if r.end is not None)])
         steps = step_series(self.steps[step_log_start:], stage.start, end)
         return Stage(pattern, stage.start, end, sorted(stage.records, key=lambda r: r.index), steps)
@@ -219,6 +243,8 @@ class Simulator:
         self._live[rid] = (record, replica, stage)
         if replica.in_flight is None:
             self._start_step(replica)
+        elif replica.run is not None and replica.scheduler.policy.fast_lane(tier):
+            self._ask_stop(replica)
 
     def _done(self, record: RequestRecord, stage: _Stage) -> None:
         """A request ended: the closed loop's user sends the next, as a client would at once
@@ -254,7 +280,10 @@ class Simulator:
         plan = replica.scheduler.plan()
         num_seqs = plan.num_seqs
         if not num_seqs:
-            replica.in_flight = None
+            if replica.paused is not None:  # no fast step beside it: it runs on to its end
+                self._run_on(replica, None)
+            else:
+                replica.in_flight = None
             return
         runner = self.truth.predict(plan.shape) * (self.rng.choice(self.machine.jitter) if self.machine.jitter else 1.0)
         seconds = runner + self.machine.overhead[0] + self.machine.overhead[1] * num_seqs
@@ -262,10 +291,57 @@ class Simulator:
         replica.busy_seconds += seconds
         self.coasted += num_seqs - len(plan.seqs)
         self.steps.append((self.now, num_seqs, plan.num_tokens, seconds))
-        self._push(self.now + seconds, _STEP_DONE, replica)
+        layers = self.config.pause_layers
+        replica.run = LayerRun(self.now + seconds - runner, runner / layers, layers, layers) \
+            if replica.paused is None and replica.scheduler.may_pause(plan) else None
+        self._push(self.now + seconds, _STEP_DONE, (replica, replica.epoch))
+
+    # ---- a step paused between layers for a fast arrival (Engine.step, _beside_paused) ------
+
+    def _ask_stop(self, replica: Replica) -> None:
+        """A fast request arrived: the layers in flight stop after the current one, unless
+        they end or stop sooner."""
+        run = replica.run
+        done = max(1, math.ceil((self.now - run.start) / run.layer_seconds - 1e-9))
+        if done >= run.stop:
+            return
+        run.stop = done
+        replica.epoch += 1
+        self._push(run.start + done * run.layer_seconds, _STEP_STOPS, (replica, replica.epoch))
+
+    def _stopped(self, replica: Replica) -> None:
+        """The layers in flight stopped partway: a fast step goes next, beside the rest."""
+        run, replica.run = replica.run, None
+        if replica.paused is None:
+            plan, runner = replica.in_flight
+            replica.scheduler.suspend()
+            replica.paused = PausedStep(plan, runner, run.layers - run.stop)
+            self.steps_paused += 1
+        else:
+            replica.paused.layers_left -= run.stop
+        self._start_step(replica)  # plans only fast requests while one is suspended
+
+    def _run_on(self, replica: Replica, fast_seconds: float | None) -> None:
+        """The paused step's next slice: until the fast lane's next token is due (the fast
+        TPOT target after the fast step began) where fast requests run, else to its end."""
+        paused, scheduler = replica.paused, replica.scheduler
+        layer_seconds = paused.runner / self.config.pause_layers
+        layers = paused.layers_left
+        tpot = scheduler.tiers["fast"].tpot_target
+        if fast_seconds is not None and tpot is not None and scheduler.running_in("fast"):
+            layers = min(layers, max(1, math.ceil(max(0.0, tpot - fast_seconds) / layer_seconds - 1e-9)))
+        replica.in_flight = (paused.plan, paused.runner)
+        replica.run = LayerRun(self.now, layer_seconds, paused.layers_left, layers)
+        replica.epoch += 1
+        end = self.now + layers * layer_seconds
+        self._push(end, _STEP_DONE if layers == paused.layers_left else _STEP_STOPS, (replica, replica.epoch))
 
     def _finish_step(self, replica: Replica) -> None:
+        replica.run = None
         plan, runner = replica.in_flight
+        if replica.paused is not None and plan is replica.paused.plan:  # its last slice ended
+            replica.paused = None
+            replica.scheduler.resume()
         coefficients = self.truth.coefficients[plan.kernel]
         # Metered before the commit: coasters that stop in it are billed from the log.
         split = shares(plan, runner, coefficients, 1.0, plan.groups() if isinstance(plan, CoastingPlan) else ())
@@ -290,7 +366,10 @@ class Simulator:
                 record.end, record.output_tokens = self.now, len(request.output_token_ids)
                 replica.outstanding_tokens -= record.prompt_tokens + record.max_tokens
                 self._done(record, stage)
-        self._start_step(replica)
+        if replica.paused is not None:  # a fast step beside it ended
+            self._run_on(replica, runner)
+        else:
+            self._start_step(replica)
         for other in self.replicas:  # new closed-loop requests may have gone to an idle replica
             if other.in_flight is None and other.scheduler.has_unfinished():
                 self._start_step(other)
@@ -319,7 +398,7 @@ def simulate(config: SchedulerConfig, machine: MachineProfile, workload: Workloa
         "simulation": {"hardware": machine.hardware, "estimate": machine.estimate, "replicas": replicas,
                        "routing": routing, "policy": config.policy, "max_num_seqs": config.max_num_seqs,
                        "fast_reserved_seq_share": config.tiers["fast"].reserved_seq_share,
-                       "steps": len(sim.steps), "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
+                       "steps": len(sim.steps), "steps_paused": sim.steps_paused, "busy_seconds": busy, "wall_seconds": time.perf_counter() - started,
                        # held idle for the fast lane after its last fast request: no one was charged it
                        "readiness_seconds": sum(r.readiness_seconds for r in sim.replicas),
                        "trace": trace is not None, "left_out": left_out(config, machine)},
@@ -330,10 +409,6 @@ def left_out(config: SchedulerConfig, machine: MachineProfile) -> list[str]:
     """What a served run of these settings does that the simulation does not: the bench report
     says so beside the simulated figures."""
     missing = ["prefix-cache hits (every simulated prompt is its own)"]
-    if machine.pause_layers:
-        missing.append("a step paused between layers for a fast arrival: the scheduler plans steps as the "
-                       "engine's does, but a simulated step runs whole, so a fast request that arrives "
-                       "mid-step waits for all of it")
     if config.speculative_tokens:
         missing.append(f"the fast lane's n-gram drafts (speculative_tokens = {config.speculative_tokens}: "
                        "stand-in tokens never repeat, so nothing is drafted)")

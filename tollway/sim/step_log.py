@@ -19,18 +19,19 @@ class StepLog:
         self._sums = {fast: [array("d", [0.0]) for _ in range(3)] for fast in (False, True)}
 
     def record(self, step_id: int, end: float, shares: Shares, coefficients: list[float]) -> None:
+        """A step ended. Steps are recorded in id order but for a suspended step, which ends
+        after the fast steps beside it: its sums then go into theirs too."""
         a, b = decode_work(coefficients, 1, 1), decode_work(coefficients, 0, 1)  # one decode at p: a + b * p
-        while len(self.ends) < step_id:  # ids of plans that ran nothing: nothing coasts through them
+        while len(self.ends) <= step_id:  # and ids of plans that ran nothing: nothing coasts through them
             self.ends.append(self.ends[-1])
             for sums in self._sums.values():
                 for running in sums:
                     running.append(running[-1])
-        self.ends.append(end)
+        self.ends[step_id] = end
         for fast, rate in ((False, shares.rate), (True, shares.fast_rate)):
-            ra, rb, rbs = self._sums[fast]
-            ra.append(ra[-1] + rate * a)
-            rb.append(rb[-1] + rate * b)
-            rbs.append(rbs[-1] + rate * b * step_id)
+            for running, add in zip(self._sums[fast], (rate * a, rate * b, rate * b * step_id)):
+                for i in range(step_id, len(running)):
+                    running[i] += add
 
     def charge(self, first: int, last: int, offset: int, fast: bool) -> float:
         """What a decode at position offset + step paid over steps first..last."""
