@@ -5,7 +5,8 @@ the output tok/s, beside `tollway simulate` of the same workloads.
     python benchmarks/sim_fidelity_served.py          # about 15 min on a quiet 2-core machine
     python benchmarks/sim_fidelity_served.py --quick  # a smaller run, for development; writes benchmarks/out/ only
 
-Two profiles are judged, each taken before the loads it predicts:
+Two profiles are judged, each taken before the loads it predicts (and a third, the grid again
+after the loads, is judged against the first: two profiles minutes apart should agree within 5%):
 - the grid: `tollway profile` in its own process, the runner timed alone over a grid of steps;
 - served: `tollway profile --from` the server, fitted to its own steps during the capacity run
   (a closed loop at saturation, the first thing the server serves), so the server's own work on
@@ -20,6 +21,7 @@ every lane's TTFT and TPOT at p50 and p99 within 10%, output tok/s within 5%.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import os
 import statistics
@@ -50,14 +52,14 @@ from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
 from tollway.traffic.stats import SLO, summarize  # noqa: E402
 from tollway.traffic.workload import Lengths, Requests, Workload  # noqa: E402
 
-FULL = dict(loads=(0.3, 0.6, 0.9, 1.1), requests=200, warmup=5.0, prompt=100, output=96,
+FULL = dict(loads=(0.3, 0.6, 0.9, 1.1), requests=300, warmup=5.0, prompt=100, output=96,
             mix={"fast": 0.1, "standard": 0.9}, saturation=dict(concurrency=32, requests=96), profile_flags=[])
 QUICK = dict(loads=(0.5, 1.0), requests=40, warmup=2.0, prompt=32, output=32,
              mix={"fast": 0.2, "standard": 0.8}, saturation=dict(concurrency=16, requests=128),
              profile_flags=["--quick"])
 SERVER_CONFIG = "[scheduler]\nspeculative_tokens = 0\n"
 SIM_SEEDS = 8
-TARGETS = {"latency": 0.10, "output_tok_s": 0.05}
+TARGETS = {"latency": 0.10, "output_tok_s": 0.05, "profiles_apart": 0.05}
 FIGURES = [("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99")]
 
 
@@ -67,9 +69,12 @@ def run(s: dict, quick: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "sim_fidelity_served.toml"
     config_path.write_text(SERVER_CONFIG)
-    grid_path = out / "sim_fidelity_served-grid-profile.json"
-    subprocess.run([sys.executable, "-m", "tollway", "profile", *s["profile_flags"], "--config", str(config_path),
-                    "--output", str(grid_path)], cwd=ROOT, check=True)
+    def grid_profile(path: Path) -> MachineProfile:
+        subprocess.run([sys.executable, "-m", "tollway", "profile", *s["profile_flags"], "--config", str(config_path),
+                        "--output", str(path)], cwd=ROOT, check=True)
+        return MachineProfile.load(path)
+
+    grid = grid_profile(out / "sim_fidelity_served-grid-profile.json")
     workload = Workload(Lengths(s["prompt"], 0, s["prompt"], s["prompt"]),
                         Lengths(s["output"], 0, s["output"], s["output"]), True, s["mix"], None, seed=17)
     with tempfile.TemporaryDirectory(prefix="tollway-sim-fidelity-") as tmp:
@@ -86,30 +91,36 @@ def run(s: dict, quick: bool) -> dict:
     for load, end in zip(served["loads"], ends):
         load["served_steps"] = _served_step_figures(steps["steps"][max(0, load.pop("first_step") - offset):end - offset])
     # The served profile: the capacity run's steps only, what the machine did before the loads.
-    profiles = {"grid": MachineProfile.load(grid_path),
-                "served": live_profile(served.pop("calibration"), "the capacity run")}
+    profiles = {"grid": grid, "served": live_profile(served.pop("calibration"), "the capacity run")}
     profiles["served"].save(out / "sim_fidelity_served-served-profile.json")  # for a look at it afterwards
+    # Goal 2: a second grid profile, minutes after the first (the loads ran between them), must
+    # predict every figure within 5% of what the first predicts.
+    profiles["grid, again"] = grid_profile(out / "sim_fidelity_served-grid-profile-again.json")
     scheduler = load_config(config_path).scheduler
     loads = []
     for load in tqdm(served["loads"], desc="simulating the loads", unit="load"):
         pattern, limits = LoadPattern(load["name"], rate=load["rate"]), Limits(max_requests=s["requests"],
                                                                                warmup=s["warmup"])
-        simulated, sim_steps = {}, {}
+        simulated, sim_steps, load_workload = {}, {}, _load_workload(workload, load["share"])
         for name, profile in profiles.items():
-            draws = [simulate(scheduler, profile, workload, [pattern], limits, progress=False, seed=workload.seed + k)
+            draws = [simulate(scheduler, profile, load_workload, [pattern], limits, progress=False, seed=workload.seed + k)
                      ["stages"][0] for k in range(SIM_SEEDS)]
             simulated[name] = _figures_mean([_figures(d["summary"]) for d in draws])
             sim_steps[name] = step_figures(draws[0])
         loads.append({**load, "simulated": simulated, "simulated_steps": sim_steps,
-                      "errors": {name: _errors(load["served"], sim) for name, sim in simulated.items()}})
-    targets = {f"{load['name']}_{name}_{what}": ok for load in loads for name in profiles
+                      "errors": {name: _errors(load["served"], sim) for name, sim in simulated.items()},
+                      "grid_again_vs_grid": _errors(simulated["grid"], simulated["grid, again"])})
+    targets = {f"{load['name']}_{name}_{what}": ok for load in loads for name in ("grid", "served")
                for what, ok in _met(load["errors"][name]).items()}
+    apart = [abs(e) for load in loads for e in _all_errors(load["grid_again_vs_grid"])]
+    targets[f"two_grid_profiles_within_{TARGETS['profiles_apart']:.0%}"] = bool(apart) and max(apart) <= TARGETS["profiles_apart"]
     return {"command": "python benchmarks/sim_fidelity_served.py" + (" --quick" if quick else ""),
             "date": datetime.date.today().isoformat(), "machine": machine, "tollway_source": source,
             "settings": {k: v for k, v in s.items()}, "server_config": SERVER_CONFIG, "sim_seeds": SIM_SEEDS,
             "capacity": served["capacity"],
             "profiles": {name: {"hardware": p.hardware, "steps": len(p.samples), "overhead": p.overhead,
-                                "jitter_mean": statistics.fmean(p.jitter)} for name, p in profiles.items()},
+                                "jitter_mean": statistics.fmean(p.jitter), "drift": p.drift()}
+                         for name, p in profiles.items()},
             "loads": loads, "targets": targets}
 
 
@@ -129,16 +140,23 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
                     "output_tok_s": summary["all"]["output_tok_s"], "steps": calibration["total"]}
         loads = []
         for share in tqdm(s["loads"], desc="serving the loads", unit="load"):
-            rate = share * capacity["requests_per_s"]
+            rate, load_workload = share * capacity["requests_per_s"], _load_workload(workload, share)
             async with httpx.AsyncClient() as http:
                 first = (await http.get(url + "/dashboard/steps", timeout=60)).json()["total"]
-            stage = await run_stage(client, Requests(workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
+            stage = await run_stage(client, Requests(load_workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
                                     Limits(max_requests=s["requests"], warmup=s["warmup"]), clock)
             loads.append({"name": f"{share:.0%}", "share": share, "rate": rate, "first_step": first,
                           "served": _figures(summarize(stage.records, SLO({}), None))})
     finally:
         await client.close()
     return {"capacity": capacity, "loads": loads, "calibration": calibration}
+
+
+def _load_workload(workload: Workload, share: float) -> Workload:
+    """A load's own seed: its prompts are none of another stage's (a prompt served before would be
+    a prefix-cache hit, which the simulator does not model), and its simulation draws the same
+    lanes in the same order as its served run."""
+    return dataclasses.replace(workload, seed=workload.seed + round(share * 1000))
 
 
 def _served_step_figures(steps: list[list]) -> dict | None:
@@ -177,6 +195,12 @@ def _errors(served: dict, sim: dict) -> dict:
     return {"tiers": tiers, "output_tok_s": err(served["output_tok_s"], sim["output_tok_s"])}
 
 
+def _all_errors(errors: dict) -> list[float]:
+    """Every figure's error that could be taken (a lane's and the run's output tok/s included)."""
+    return [e for t in errors["tiers"].values() for e in t.values() if e is not None] + (
+        [errors["output_tok_s"]] if errors["output_tok_s"] is not None else [])
+
+
 def _met(errors: dict) -> dict[str, bool]:
     latency = [e for t in errors["tiers"].values() for k, e in t.items() if k != "output_tok_s"]
     return {f"latency_within_{TARGETS['latency']:.0%}": all(e is not None and abs(e) <= TARGETS["latency"]
@@ -195,9 +219,10 @@ def markdown(r: dict, raw: str) -> str:
              f"{s['saturation']['concurrency']}): {cap['requests_per_s']:.2f} req/s, {cap['output_tok_s']:.0f} "
              f"output tok/s. Simulated {r['sim_seeds']} times a load and profile (the mean).", ""]
     for name, p in r["profiles"].items():
+        drift = p.get("drift")
         lines.append(f"- profile `{name}`: {p['hardware']}, {p['steps']} steps, engine time per step "
                      f"{p['overhead'][0] * 1e3:.2f} ms + {p['overhead'][1] * 1e3:.3f} ms a sequence, jitter mean "
-                     f"{p['jitter_mean']:.2f}")
+                     f"{p['jitter_mean']:.2f}" + ("" if drift is None else f", drifted {drift:+.1%} while taken"))
     lines += ["", "Each cell: served / simulated on the grid profile / on the served profile (ms, or tok/s), then "
               "the two errors.", "",
               "| load | lane | " + " | ".join(f"{k.upper()} {q}" for k, q in FIGURES) + " | output tok/s |",
@@ -220,6 +245,14 @@ def markdown(r: dict, raw: str) -> str:
             " / ".join("–" if side is None or side[k] is None else f"{side[k] * scale:.{digits}f}" for side in sides)
             for k, scale, digits in (("steps_per_s", 1, 1), ("seqs_per_step", 1, 1), ("tokens_per_step", 1, 1),
                                      ("seconds_per_step", 1e3, 1))))
+    if all("grid_again_vs_grid" in load for load in r["loads"]):
+        lines += ["", "Two grid profiles minutes apart (`grid`, before the loads, and `grid, again`, after them): "
+                  "what the second predicts against the first, over every lane's eight latency figures and "
+                  "output tok/s:", ""]
+        for load in r["loads"]:
+            apart = sorted(abs(e) for e in _all_errors(load["grid_again_vs_grid"]))
+            if apart:
+                lines.append(f"- {load['name']}: median {statistics.median(apart):.1%}, largest {apart[-1]:.1%}")
     lines += ["", targets_line(r["targets"])]
     return "\n".join(lines)
 
