@@ -184,6 +184,21 @@ def native_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("native-cache")
 
 
+@pytest.fixture
+def cache_with_shared_native(tmp_path) -> Path:
+    """A cache folder of the test's own (weights, step profiles), but for compiled native code:
+    libraries are named by a hash of their sources, flags and CPU, so the user cache's are the
+    same bits, and compiling them afresh for every such test cost seconds each."""
+    from tollway.checkpoint import cache_root
+
+    shared = cache_root() / "native"
+    shared.mkdir(parents=True, exist_ok=True)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "native").symlink_to(shared, target_is_directory=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def native_library(native_cache):
     """The native matmul kernels, compiled once per test session into a fresh cache."""

@@ -137,7 +137,7 @@ def keyed(make_engine, tmp_path_factory):
     """Keys, a meter and a budget nothing fits in, for key `broke`."""
     folder = tmp_path_factory.mktemp("owned")
     meter = make_meter(folder / "ledger.sqlite", [BudgetSpec(limit=1e-12, key="broke", period="daily")])
-    yield from running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(OWNER_KEYS),
+    yield from running_server(make_engine(num_blocks=64), gatekeeper=Gatekeeper(OWNER_KEYS),
                               batch_dir=folder, meter=meter)
 
 

@@ -27,7 +27,7 @@ PROMPT, OUTPUT = 24, 6
 @pytest.fixture(scope="module")
 def server(make_engine, tmp_path_factory):
     meter = make_meter(tmp_path_factory.mktemp("bench") / "ledger.sqlite")
-    yield from running_server(make_engine(kernel="int8"), Metrics(MODEL), meter=meter)
+    yield from running_server(make_engine(), Metrics(MODEL), meter=meter)
 
 
 def workload(mix, seed=3) -> Workload:

@@ -54,7 +54,7 @@ def server(make_engine, collector):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within the test, not every 5 s
         tracing = Tracing(collector, MODEL)
-    yield from running_server(make_engine(kernel="int8"), tracing=tracing)
+    yield from running_server(make_engine(), tracing=tracing)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ def _tollway(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_generate_streams_greedy_text(default_weights, make_engine, run_to_completion):
     from tollway.request import SamplingParams
 
-    [expected], _ = run_to_completion(make_engine(kernel="int8"), ["The capital of France is"],
+    [expected], _ = run_to_completion(make_engine(), ["The capital of France is"],
                                       SamplingParams(temperature=0, max_tokens=6))
-    result = _tollway("generate", "The capital of France is", "--max-tokens", "6", "--kernel", "int8")
+    result = _tollway("generate", "The capital of France is", "--max-tokens", "6")
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected.text + "\n"
 
@@ -69,7 +69,7 @@ def test_serve_warns_when_public_without_keys(tmp_path):
     """Bound to every interface with no API key: a warning; the server still comes up."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tollway", "serve", "--host", "0.0.0.0", "--port", str(port),
-                             "--kernel", "int8", "--data-dir", str(tmp_path), "--keys-db", str(tmp_path / "k.sqlite")],
+                             "--data-dir", str(tmp_path), "--keys-db", str(tmp_path / "k.sqlite")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_healthy(proc, port)
@@ -163,7 +163,7 @@ def test_serve_like_vllm(tmp_path):
     port = _free_port()
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ extra | default('') }}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tollway", "serve", "gemma3-270m", "--port", str(port), "--kernel", "int8",
+        [sys.executable, "-m", "tollway", "serve", "gemma3-270m", "--port", str(port),
          "--served-model-name", "tiny", "--kv-cache-memory", "18MiB", "--chat-template", template,
          "--data-dir", str(tmp_path), "--keys-db", str(tmp_path / "k.sqlite")],
         env={**os.environ, "TOLLWAY_API_KEY": "sk-from-env"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -40,7 +40,7 @@ def server(make_engine, tmp_path_factory):
     tiers["fast"].warm_for = None
     # The step model shapes steps to the fast lane's target (this small config's profile is
     # shared with test_step_profile); a small KV pool shows on the gauge.
-    engine = make_engine(profile_steps=True, kernel="int8", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
+    engine = make_engine(profile_steps=True, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
                          tiers=tiers)
     for details in running_server(engine, Metrics(MODEL), gatekeeper=keys, meter=meter):
         # before any request: what a Prometheus scraping a fresh server gets

@@ -8,7 +8,7 @@ from tollway.request import InvalidRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(make_engine):
-    return make_engine(kernel="int8")
+    return make_engine()
 
 
 def test_max_tokens_finishes_with_length(engine, run_to_completion):
@@ -62,7 +62,7 @@ def test_same_seed_same_text_different_seed_differs(engine, run_to_completion):
 
 
 def test_prefix_cache_skips_shared_prefill(make_engine, run_to_completion):
-    engine = make_engine(kernel="int8", block_size=16)
+    engine = make_engine(block_size=16)
     shared = "You are a helpful assistant. " * 12  # ~85 tokens
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     [first], _ = run_to_completion(engine, [shared + "What is 2+2?"], greedy)
@@ -72,13 +72,13 @@ def test_prefix_cache_skips_shared_prefill(make_engine, run_to_completion):
     assert second.num_cached_prompt_tokens == prefill.start_pos
     assert prefill.num_new == len(second.prompt_token_ids) - prefill.start_pos
     # Reusing cached KV gives exactly what a cold engine computes.
-    [cold], _ = run_to_completion(make_engine(kernel="int8", enable_prefix_caching=False),
+    [cold], _ = run_to_completion(make_engine(enable_prefix_caching=False),
                                   [shared + "Name a color."], greedy)
     assert cold.token_ids == second.token_ids
 
 
 def test_prompt_longer_than_context_is_refused(make_engine):
-    engine = make_engine(kernel="int8", max_model_len=64)
+    engine = make_engine(max_model_len=64)
     with pytest.raises(ValueError, match="context"):
         engine.add_request("word " * 100, SamplingParams())
 
@@ -156,7 +156,7 @@ def test_each_output_carries_what_its_step_added_and_the_last_the_whole(engine):
     assert final.logprobs == logprobs and [e["token_id"] for e in logprobs] == ids
 
 
-def test_a_model_that_cannot_fit_is_refused_before_anything_is_packed(tiny_gguf, tmp_path, monkeypatch):
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_packed(tiny_gguf, cache_with_shared_native, monkeypatch):
     from tollway import engine as engine_module
     from tollway.config import EngineConfig, SchedulerConfig
     from tollway.engine import Engine
@@ -165,7 +165,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_packed(tiny_gguf,
     built = []
     monkeypatch.setattr(runner, "LinearBuilder", lambda *a, **k: built.append(a))
     monkeypatch.setattr(engine_module, "available_memory", lambda: 1 << 16)  # 64 KiB free
-    config = EngineConfig(model=str(tiny_gguf), cache_dir=str(tmp_path), scheduler=SchedulerConfig(num_blocks=64))
+    config = EngineConfig(model=str(tiny_gguf), cache_dir=str(cache_with_shared_native), scheduler=SchedulerConfig(num_blocks=64))
     with pytest.raises(ValueError, match=r"tiny.*\.gguf: needs 0\.0 GiB .*, 0\.0 GiB available"):
         Engine(config, progress=False)
     assert not built

@@ -50,7 +50,7 @@ from live_server import MODEL, free_port, serving
 # Small steps keep runs short on two cores: 8 sequences (one slot reserved for fast), prefill
 # chunks of 64 tokens, and a fast target that caps the steps fast work rides in. Without
 # warm_for, steps after fast traffic are not kept short: standard prefills at full chunks.
-SCHEDULER = dict(kernel="int8", max_num_seqs=8, max_num_batched_tokens=64, num_blocks=256)
+SCHEDULER = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=256)
 FAST = dict(tpot_target=0.05, warm_for=None)
 
 

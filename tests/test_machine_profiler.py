@@ -13,7 +13,7 @@ TINY = Grid(decodes=(1, 4), contexts=(32, 96), prefills=(0, 16), repeats=1, jitt
 
 
 def test_the_grid_crosses_kernels_decodes_contexts_and_prefills(make_engine):
-    sched = make_engine(kernel="int8", max_num_seqs=4, num_blocks=64).scheduler.config
+    sched = make_engine(max_num_seqs=4, num_blocks=64).scheduler.config
     plans = grid_plans(sched, ["fp32", "int8"], TINY)
     assert len(plans) == 2 * 2 * 2 * 2
     shapes = {(p.kernel, p.num_decode, p.num_prefill_tokens, max(s.start_pos for s in p.seqs)) for p in plans}

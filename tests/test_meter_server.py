@@ -49,7 +49,7 @@ def metered(make_engine, tmp_path_factory, receiver):
     budget = BudgetSpec(limit=5 * PRICE * (1 - 1e-9), key="capped", period="daily")
     meter = make_meter(ledger, [budget], Webhook(receiver.url, backoff=0.01), clock=lambda: NOW[0])
     keys = [KeySpec("sk-alice", "alice"), KeySpec("sk-bob", "bob"), KeySpec("sk-capped", "capped")]
-    for details in running_server(make_engine(kernel="int8"), gatekeeper=Gatekeeper(keys), meter=meter):
+    for details in running_server(make_engine(), gatekeeper=Gatekeeper(keys), meter=meter):
         yield {**details, "meter": meter, "ledger": ledger}
     meter.budgets.webhook.close()
 
@@ -193,8 +193,8 @@ def test_a_fleet_call_retried_on_another_replica_is_billed_once(make_engine, tmp
     ledger = tmp_path / "ledger.sqlite"
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
     call = new_call_id()
-    for a in running_server(make_engine(kernel="int8"), meter=make_meter(ledger), fleet_secret="s3cret"):
-        for b in running_server(make_engine(kernel="int8"), meter=make_meter(ledger), fleet_secret="s3cret"):
+    for a in running_server(make_engine(), meter=make_meter(ledger), fleet_secret="s3cret"):
+        for b in running_server(make_engine(), meter=make_meter(ledger), fleet_secret="s3cret"):
             named = {CALL_ID: call, FLEET_SECRET: "s3cret"}
             first = httpx.post(a["url"] + "/v1/completions", json=body, headers=named, timeout=60).json()
             retried = httpx.post(b["url"] + "/v1/completions", json=body, headers=named, timeout=60).json()
@@ -215,7 +215,7 @@ def test_sigkill_under_load_loses_no_completed_row(tmp_path):
     url = f"http://127.0.0.1:{port}"
     ledger = tmp_path / "ledger.sqlite"
     proc = subprocess.Popen([sys.executable, "-m", "tollway", "serve", "--port", str(port), "--data-dir",
-                             str(tmp_path), "--kernel", "int8", "--keys-db", str(tmp_path / "keys.sqlite")],
+                             str(tmp_path), "--keys-db", str(tmp_path / "keys.sqlite")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_until_up(proc, url)

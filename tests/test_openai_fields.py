@@ -28,7 +28,7 @@ MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def client(make_engine):
-    for server in running_server(make_engine(kernel="int8")):
+    for server in running_server(make_engine()):
         with openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0) as client:
             yield client
 

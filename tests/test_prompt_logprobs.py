@@ -19,7 +19,7 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 @pytest.fixture(scope="module")
 def server(make_engine):
     # Small chunks: a prompt's logprobs come from several prefill steps.
-    yield from running_server(make_engine(kernel="int8", max_num_batched_tokens=16))
+    yield from running_server(make_engine(max_num_batched_tokens=16))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from live_server import MODEL, running_server
 
 @pytest.fixture(scope="module")
 def client(make_engine):
-    for details in running_server(make_engine(kernel="int8"), Metrics(MODEL)):
+    for details in running_server(make_engine(), Metrics(MODEL)):
         yield openai.OpenAI(base_url=details["url"] + "/v1", api_key="unused", max_retries=0)
 
 

@@ -23,7 +23,7 @@ from live_server import MODEL, running_server, serving
 
 @pytest.fixture(scope="module")
 def server(make_engine, tmp_path_factory):
-    yield from running_server(make_engine(kernel="int8"), Metrics(MODEL), batch_dir=tmp_path_factory.mktemp("batches"))
+    yield from running_server(make_engine(), Metrics(MODEL), batch_dir=tmp_path_factory.mktemp("batches"))
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ KEYS = [KeySpec("sk-all", "all"), KeySpec("sk-std", "std", tiers=["standard", "b
 @pytest.fixture(scope="module")
 def keyed_server(make_engine, tmp_path_factory):
     database = KeyDatabase(tmp_path_factory.mktemp("keys") / "keys.sqlite")
-    for details in running_server(make_engine(kernel="int8", num_blocks=64), gatekeeper=Gatekeeper(KEYS, database)):
+    for details in running_server(make_engine(num_blocks=64), gatekeeper=Gatekeeper(KEYS, database)):
         yield {**details, "database": database}
 
 
@@ -334,7 +334,7 @@ def test_keys_from_the_database(keyed_server):
 @pytest.fixture(scope="module")
 def chatty_server(make_engine):
     """Keep-alive comments after 50 ms of silence."""
-    engine = AsyncEngine(make_engine(kernel="int8", num_blocks=256))
+    engine = AsyncEngine(make_engine(num_blocks=256))
     yield from serving(create_app(engine, MODEL, keep_alive=0.05))
     engine.shutdown()
 
@@ -356,7 +356,7 @@ def test_a_waiting_stream_sends_keep_alive_comments(chatty_server):
 
 @pytest.fixture(scope="module")
 def tiny_server(make_engine):
-    engine = make_engine(kernel="int8", max_num_seqs=1)
+    engine = make_engine(max_num_seqs=1)
     engine.scheduler.tiers["fast"].max_queue = 1
     yield from running_server(engine)
 

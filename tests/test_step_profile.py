@@ -45,18 +45,18 @@ def test_samples_survive_json():
     assert samples_from_json(samples_to_json(samples)) == samples
 
 
-def test_engine_step_model_comes_from_the_runner_and_learns_online(default_weights, run_to_completion, tmp_path):
+def test_engine_step_model_comes_from_the_runner_and_learns_online(default_weights, run_to_completion, cache_with_shared_native):
     # The default CPU kernel: torch's int8 kernel swings 2-3x with machine load, too much to
     # tell a wrong model from a busy machine. A fresh cache: a profile remembered from an
     # earlier run timed that run's machine load, not this one's.
     config = EngineConfig(scheduler=SchedulerConfig(kernel="q8", max_num_seqs=8, max_num_batched_tokens=64),
-                          profile_steps=True, cache_dir=str(tmp_path))
+                          profile_steps=True, cache_dir=str(cache_with_shared_native))
     engine = Engine(config, progress=False, loaded=default_weights)
     model = engine.step_model
     assert model is engine.scheduler.step_model
     # Remembered under the native build and KV cache dtype that were timed: a rebuilt kernel, or
     # a cache that reads twice the bytes, gets profiled afresh.
-    remembered = json.loads((tmp_path / "step-profile.json").read_text())
+    remembered = json.loads((cache_with_shared_native / "step-profile.json").read_text())
     build = engine.runner.model.ops.build
     assert remembered and all(build in key and "|torch.float16|" in key for key in remembered)
     assert q8_library() is None or ("row_ops-" in build and "qmatmul-" in build and build.endswith(q8_library().isa))
