@@ -8,9 +8,10 @@ the output tok/s, beside `tollway simulate` of the same workloads.
 Two profiles are judged, each taken before the loads it predicts (and a third, the grid again
 after the loads, is judged against the first: two profiles minutes apart should agree within 5%):
 - the grid: `tollway profile` in its own process, the runner timed alone over a grid of steps;
-- served: `tollway profile --from` the server, fitted to its own steps during the capacity run
-  (a closed loop at saturation, the first thing the server serves), so the server's own work on
-  the cores (HTTP, streaming, detokenizing) and the machine's level that minute are in it.
+- served: `tollway profile --from` the server, fitted to its own steps during closed loops of 2
+  and 8 users and then the capacity run (a closed loop at saturation), the first things the
+  server serves, so the server's own work on the cores (HTTP, streaming, detokenizing) and the
+  machine's level that minute are in it, over small steps and large.
 
 The workload is the issue's: Poisson arrivals, 10% fast, fixed prompt and output lengths,
 `ignore_eos`, greedy, speculation off on both sides (the simulator does not draft). Capacity is
@@ -53,9 +54,10 @@ from tollway.traffic.stats import SLO, summarize  # noqa: E402
 from tollway.traffic.workload import Lengths, Requests, Workload  # noqa: E402
 
 FULL = dict(loads=(0.3, 0.6, 0.9, 1.1), requests=300, warmup=5.0, prompt=100, output=96,
-            mix={"fast": 0.1, "standard": 0.9}, saturation=dict(concurrency=32, requests=96), profile_flags=[])
+            mix={"fast": 0.1, "standard": 0.9}, saturation=dict(concurrency=32, requests=96),
+            ramp=((2, 16), (8, 40)), profile_flags=[])
 QUICK = dict(loads=(0.5, 1.0), requests=40, warmup=2.0, prompt=32, output=32,
-             mix={"fast": 0.2, "standard": 0.8}, saturation=dict(concurrency=16, requests=128),
+             mix={"fast": 0.2, "standard": 0.8}, saturation=dict(concurrency=16, requests=128), ramp=((2, 8),),
              profile_flags=["--quick"])
 SERVER_CONFIG = "[scheduler]\nspeculative_tokens = 0\n"
 SIM_SEEDS = 8
@@ -91,7 +93,7 @@ def run(s: dict, quick: bool) -> dict:
     for load, end in zip(served["loads"], ends):
         load["served_steps"] = _served_step_figures(steps["steps"][max(0, load.pop("first_step") - offset):end - offset])
     # The served profile: the capacity run's steps only, what the machine did before the loads.
-    profiles = {"grid": grid, "served": live_profile(served.pop("calibration"), "the capacity run")}
+    profiles = {"grid": grid, "served": live_profile(served.pop("calibration"), "the ramp and the capacity run")}
     profiles["served"].save(out / "sim_fidelity_served-served-profile.json")  # for a look at it afterwards
     # Goal 2: a second grid profile, minutes after the first (the loads ran between them), must
     # predict every figure within 5% of what the first predicts.
@@ -101,7 +103,7 @@ def run(s: dict, quick: bool) -> dict:
     for load in tqdm(served["loads"], desc="simulating the loads", unit="load"):
         pattern, limits = LoadPattern(load["name"], rate=load["rate"]), Limits(max_requests=s["requests"],
                                                                                warmup=s["warmup"])
-        simulated, sim_steps, load_workload = {}, {}, _load_workload(workload, load["share"])
+        simulated, sim_steps, load_workload = {}, {}, _stage_workload(workload, load["share"])
         for name, profile in profiles.items():
             draws = [simulate(scheduler, profile, load_workload, [pattern], limits, progress=False, seed=workload.seed + k)
                      ["stages"][0] for k in range(SIM_SEEDS)]
@@ -129,6 +131,12 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
     tokenizer = Tokenizer.load(tokenizer_path(DEFAULT_MODEL))
     client, clock = OpenAIClient(url, DEFAULT_MODEL), now_clock()
     try:
+        # Closed loops of a few users first: the served profile then sees small steps as well
+        # as the capacity run's large ones (fitted to those alone, it put small steps 20% over).
+        for k, (concurrency, requests) in enumerate(s["ramp"], start=1):
+            await run_stage(client, Requests(_stage_workload(workload, -k), tokenizer),
+                            LoadPattern(f"ramp {concurrency}", concurrency=concurrency),
+                            Limits(max_requests=requests, warmup=0.0), clock)
         sat = s["saturation"]
         stage = await run_stage(client, Requests(workload, tokenizer),
                                 LoadPattern("capacity", concurrency=sat["concurrency"]),
@@ -140,7 +148,7 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
                     "output_tok_s": summary["all"]["output_tok_s"], "steps": calibration["total"]}
         loads = []
         for share in tqdm(s["loads"], desc="serving the loads", unit="load"):
-            rate, load_workload = share * capacity["requests_per_s"], _load_workload(workload, share)
+            rate, load_workload = share * capacity["requests_per_s"], _stage_workload(workload, share)
             async with httpx.AsyncClient() as http:
                 first = (await http.get(url + "/dashboard/steps", timeout=60)).json()["total"]
             stage = await run_stage(client, Requests(load_workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
@@ -152,11 +160,11 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
     return {"capacity": capacity, "loads": loads, "calibration": calibration}
 
 
-def _load_workload(workload: Workload, share: float) -> Workload:
-    """A load's own seed: its prompts are none of another stage's (a prompt served before would be
-    a prefix-cache hit, which the simulator does not model), and its simulation draws the same
-    lanes in the same order as its served run."""
-    return dataclasses.replace(workload, seed=workload.seed + round(share * 1000))
+def _stage_workload(workload: Workload, key: float) -> Workload:
+    """A stage's own seed (a load's key is its share): its prompts are none of another stage's (a
+    prompt served before would be a prefix-cache hit, which the simulator does not model), and a
+    load's simulation draws the same lanes in the same order as its served run."""
+    return dataclasses.replace(workload, seed=workload.seed + round(key * 1000))
 
 
 def _served_step_figures(steps: list[list]) -> dict | None:

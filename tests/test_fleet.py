@@ -473,7 +473,7 @@ def test_serve_runs_the_replicas_and_its_request_router_is_tollways_policy(fleet
     assert deployment.status == "HEALTHY" and deployment.replica_states.get("RUNNING") == 2
     # Fast: with one replica's fast slot held by a fast stream, the next fast request goes to the other.
     with ThreadPoolExecutor(2) as pool:
-        held = pool.submit(stream, fleet, prompt(1100), "priority", 16)
+        held = pool.submit(stream, fleet, prompt(1100), "priority", 64)  # running still when the next is routed
         fleet_router = fleet["fleet"].router
         deadline = time.time() + 30
         while not any(r.fast_free == 0 for r in fleet_router.replicas):
