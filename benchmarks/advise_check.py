@@ -130,14 +130,19 @@ async def _traffic(url: str, classes: list[TrafficClass], lanes: list[str],
     try:
         with tqdm(total=sum(counts), desc="the classes' traffic", unit="req") as bar:
             stages = await asyncio.gather(*(
-                run_stage(client, Requests(Workload(c.prompt, c.output, True, {WIRE_NAME[lane]: 1.0}, seed=31 * k + 5),
+                run_stage(client, Requests(Workload(c.prompt, c.output, True, {lane: 1.0}, seed=31 * k + 5),
                                            tokenizer),
                           LoadPattern(c.name, rate=c.rate), Limits(max_requests=n, warmup=settings["warmup"]), clock,
                           on_record=lambda r: r.warmup or bar.update())
                 for k, (c, lane, n) in enumerate(zip(classes, lanes, counts))))
     finally:
         await client.close()
-    return {c.name: [r for r in s.records if not r.warmup] for c, s in zip(classes, stages)}
+    measured = {c.name: [r for r in s.records if not r.warmup] for c, s in zip(classes, stages)}
+    for name, records in measured.items():
+        if not any(r.error is None for r in records):  # a run that served nothing judges nothing
+            raise SystemExit(f"advise_check: class {name} completed no request; errors: "
+                             f"{sorted({r.error_message for r in records})[:3]}")
+    return measured
 
 
 def _check(c: TrafficClass, lane: str, advised: ClassAdvice, records: list[RequestRecord]) -> dict:

@@ -71,3 +71,24 @@ def test_tiers_are_sent_in_openai_names_that_tollway_maps_back_to_the_same_lane(
 
     for tier, body in asyncio.run(bodies()).items():
         assert body["service_tier"] in openai_names - {"fast"} and tier_for(body["service_tier"]) == tier
+
+
+def test_a_send_that_raises_stops_the_stage_with_its_error(tmp_path):
+    """A bug in sending (not a request's error, which is a record) must not vanish in a task's
+    callback, leaving an open-loop stage that measured nothing and said nothing."""
+    import pytest
+
+    from tollway.bench.load import run_stage
+    from tollway.traffic.patterns import Limits, LoadPattern
+    from tollway.traffic.workload import Lengths, Requests, Workload
+
+    class Broken:
+        async def send(self, spec, stage, warmup, clock):
+            raise KeyError(spec.tier)
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "hi"}\n')
+    requests = Requests(Workload(Lengths(8, 0, 8, 8), Lengths(4, 0, 4, 4), True, {"fast": 1.0}, str(dataset), 3))
+    for pattern in (LoadPattern("rate", rate=200.0), LoadPattern("users", concurrency=2)):
+        with pytest.raises(KeyError, match="fast"):
+            asyncio.run(run_stage(Broken(), requests, pattern, Limits(max_requests=20), now_clock()))

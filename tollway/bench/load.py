@@ -17,6 +17,7 @@ async def run_stage(client: OpenAIClient, requests: Requests, pattern: LoadPatte
     records: list[RequestRecord] = []
     measured = 0
     tasks: set[asyncio.Task] = set()
+    failed: list[BaseException] = []  # a send that raised (a bug, not a request's error): the stage stops with it
     scraping = asyncio.create_task(scraper.run(clock)) if scraper else None
 
     def more() -> bool:
@@ -24,12 +25,22 @@ async def run_stage(client: OpenAIClient, requests: Requests, pattern: LoadPatte
             return False
         return limits.max_requests is None or measured < limits.max_requests
 
+    def done(task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            failed.append(task.exception())
+        else:
+            records.append(task.result())
+            if on_record:
+                on_record(task.result())
+
     def launch() -> asyncio.Task:
         nonlocal measured
         warmup = clock() - start < limits.warmup
         measured += not warmup
         task = asyncio.create_task(client.send(requests.next(), pattern.name, warmup, clock))
-        task.add_done_callback(lambda t: (records.append(t.result()), on_record and on_record(t.result())))
+        task.add_done_callback(done)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         return task
@@ -44,7 +55,7 @@ async def run_stage(client: OpenAIClient, requests: Requests, pattern: LoadPatte
         rng = random.Random(requests.workload.seed + 1)
         shape = pattern.burstiness
         due = clock()
-        while more():
+        while more() and not failed:
             launch()
             due += rng.gammavariate(shape, 1.0 / (pattern.rate * shape))
             wait = due - clock()
@@ -53,7 +64,11 @@ async def run_stage(client: OpenAIClient, requests: Requests, pattern: LoadPatte
             if wait > 0:
                 await asyncio.sleep(wait)
     if tasks:
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if failed:
+        if scraping:
+            scraping.cancel()
+        raise failed[0]
     end = clock()
     steps = []
     if scraping:
