@@ -213,7 +213,7 @@ def test_a_server_killed_mid_batch_resumes_without_losing_or_repeating_a_line(tm
         wait_until_up(proc, url)
         return proc
 
-    n = 24
+    n = 16
     proc = start()
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     try:

@@ -30,7 +30,7 @@ WORKERS, EACH = 12, 3
 
 def _serve(url: str, data_dir, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tollway", "serve", "--port", str(port), "--kernel", "int8",
+    proc = subprocess.Popen([sys.executable, "-m", "tollway", "serve", "--port", str(port),
                              "--database-url", url, "--data-dir", str(data_dir), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"

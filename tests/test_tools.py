@@ -233,7 +233,7 @@ REPEATED = [PARIS, {"role": "assistant", "content": None, "tool_calls": [
 @pytest.fixture(scope="module")
 def hermes_server(default_weights):
     engine = Engine(EngineConfig(chat_template=HERMES_TEMPLATE, profile_steps=False,
-                                 scheduler=SchedulerConfig(kernel="int8", num_blocks=128)),
+                                 scheduler=SchedulerConfig(num_blocks=128)),
                     progress=False, loaded=default_weights)
     yield from running_server(engine)
 
