@@ -33,7 +33,7 @@ REPEATS = "one one one one one one one one one one"
 @pytest.fixture(scope="module")
 def server(make_engine):
     keys = Gatekeeper([KeySpec(ALL), KeySpec(STANDARD_ONLY, tiers=["standard", "batch"])])
-    yield from running_server(make_engine(kernel="int8"), Metrics(MODEL), gatekeeper=keys)
+    yield from running_server(make_engine(), Metrics(MODEL), gatekeeper=keys)
 
 
 @pytest.fixture(scope="module")
