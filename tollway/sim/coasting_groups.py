@@ -139,8 +139,8 @@ class CoastingGroups(DecodeGroups):
         resumed = step_id != s.step_id  # a suspended step, committed after the fast steps beside it
         starting = [] if resumed else [
             c.request for c in changed if c.request.state is RequestState.RUNNING and self._may_coast(c.request, now)]
-        beside = s.suspended_step is not None
-        for coaster in self.coasting.finishing(step_id, self._fast_groups() if beside else None):
+        held = {name for name in self.coasting.groups if self._held(name)}
+        for coaster in self.coasting.finishing(step_id, set(self.coasting.groups) - held if held else None):
             self._wake(coaster, step_id)
             s.finish(coaster.request.request_id, "length")
             changed.append(Change(coaster.request, []))
@@ -171,8 +171,9 @@ class CoastingGroups(DecodeGroups):
             return False  # blocks past its KV (rejected drafts): new blocks would not come every block_size
         return not s.policy.is_due(request, now)
 
-    def _fast_groups(self) -> set[str]:
-        return {name for name in self.coasting.groups if self.scheduler.policy.fast_lane(name)}
+    def _held(self, group: str) -> bool:
+        """Whether a suspended step holds the group: it is in that step, and in none beside it."""
+        return self.scheduler.suspended_step is not None and not self.scheduler.policy.fast_lane(group)
 
     def _wake(self, coaster: Coaster, last_step: int, promised_to: int | None = None) -> Request:
         """Bring a coaster up to date as of `last_step` (the last step it ran in) and plan it
@@ -214,7 +215,7 @@ class CoastingGroups(DecodeGroups):
         every check would pass for each member, else woken and planned with the rest."""
         s = self.scheduler
         coasters = self.coasting.groups.get(group) if group else None
-        if coasters is None or (s.suspended_step is not None and not s.policy.fast_lane(group)):
+        if coasters is None or self._held(group):
             yield from requests
             return
         if group in self._woken:  # woken earlier in this step (to be preempted, or not)
@@ -267,7 +268,6 @@ class CoastingGroups(DecodeGroups):
     def before_victims(self) -> None:
         """Coasting groups not in this step become preemption candidates, planned one by one
         when their phase comes."""
-        beside = self.scheduler.suspended_step is not None  # its groups are in the suspended step
         for name, group in self.coasting.groups.items():
-            if group.count and name not in self._groups_taken and not (beside and not self.scheduler.policy.fast_lane(name)):
+            if group.count and name not in self._groups_taken and not self._held(name):
                 self._woken.setdefault(name, []).extend(self._wake_group(name))
