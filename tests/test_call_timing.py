@@ -122,8 +122,10 @@ def test_a_stream_reports_its_stages_in_its_usage_chunk(client):
     assert [part.split(";")[0].strip() for part in raw.headers["server-timing"].split(",")] == ["validate", "limits"]
     chunks = list(raw.parse())
     timing = chunks[-1].usage.model_extra["timing"]
-    assert set(timing) >= {f"{name}_ms" for name in STAGE_NAMES} | {"ttft_ms", "total_ms", "steps"}
+    assert set(timing) >= {f"{name}_ms" for name in STAGE_NAMES} | {"ttft_ms", "total_ms", "steps", "deliver_ms"}
     assert timing["steps"] == 5
+    # the first token's way from the engine to the wire: under the rest of the call
+    assert 0 <= timing["deliver_ms"] < timing["decode_ms"]
 
 
 def test_timing_is_only_sent_to_a_client_that_asks(client):
@@ -150,3 +152,15 @@ def test_stages_run_from_one_mark_to_the_next_as_far_as_the_call_got():
     assert summary == pytest.approx({"validate_ms": 2, "limits_ms": 1, "engine_ms": 97, "queue_ms": 50,
                                      "prefill_ms": 50, "decode_ms": 800, "ttft_ms": 200, "total_ms": 1000,
                                      "steps": 9, "prefill_steps": 1})
+
+
+def test_a_streams_time_beside_the_engine_is_its_intake_and_its_first_tokens_way_out():
+    timing = CallTiming(received=10.0, validated=10.002, submitted=10.003)
+    out = _out(arrival_time=10.004, first_scheduled_time=10.01, first_token_time=10.05)
+    assert timing.overhead([out]) is None  # nothing streamed yet
+    timing.first_sent = 10.0515
+    assert timing.overhead([out]) == pytest.approx((0.003, 0.0015))
+    assert timing.summary([out])["deliver_ms"] == pytest.approx(1.5)
+    assert timing.overhead([_out(arrival_time=10.004)]) is None  # no token
+    timing.sent()  # later chunks leave the first one's mark as it was
+    assert timing.first_sent == 10.0515

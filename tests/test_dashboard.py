@@ -301,6 +301,10 @@ def test_a_profile_fitted_to_the_servers_own_steps_simulates_its_run(server, def
     assert 0 < len(profile.samples) < len(body["steps"]) and profile.hardware.endswith(", served")
     assert 0 < len(profile.jitter) <= len(body["steps"]) and statistics.median(profile.jitter) == pytest.approx(1.0, abs=0.05)
     assert all(part >= 0 for part in profile.overhead) and sum(profile.overhead) > 0
+    # Each streamed call's time in the server beside the engine, per lane, which the simulator draws.
+    assert set(body["calls"]) == {"fast", "standard"} and profile.calls == body["calls"]
+    calls = [c for lane in body["calls"].values() for c in lane]
+    assert len(calls) >= 40 and all(0 < intake < 1 and 0 <= delivery < 1 for intake, delivery in calls)
     model = profile.step_model(adaptive=False)
     # The served steps' time as the simulator draws it (the fit to each shape's median, times the
     # noise around the medians on average), step by step, within 15% in all.

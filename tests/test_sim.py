@@ -201,6 +201,51 @@ def _saved(tmp_path):
     return path
 
 
+def test_the_servers_time_per_call_delays_what_the_scheduler_sees_and_what_the_client_sees():
+    """A served profile's calls: the scheduler takes a call `intake` after it was sent, and the
+    client has each token `delivery` after it was made; a lane with none draws any lane's."""
+    import dataclasses
+
+    from tollway.sim.simulator import TraceRow
+
+    steady = linear_profile(jitter=(1.0,))
+    calls = {"fast": [[0.004, 0.002]], "standard": [[0.010, 0.003]]}
+    trace = [TraceRow(1.0 * i, tier, 40, 6) for i, tier in enumerate(["fast", "standard", "batch", "fast"])]
+
+    def records(profile):
+        result = simulate(config(), profile, workload(), [LoadPattern("trace")], Limits(max_requests=4), trace=trace,
+                          progress=False)
+        return result["stages"][0]["requests"]
+
+    bare, served = records(steady), records(dataclasses.replace(steady, calls=calls))
+    pooled = {0.004 + 0.002, 0.010 + 0.003}
+    for b, s, row in zip(bare, served, trace):  # a second apart: each alone in the engine
+        shift = (s["first_token"] - b["first_token"])
+        assert s["sent"] == b["sent"] == pytest.approx(row.arrival)
+        if row.tier == "batch":
+            assert any(shift == pytest.approx(p) for p in pooled)
+        else:
+            assert shift == pytest.approx(sum(calls[row.tier][0]))
+        assert s["end"] - b["end"] == pytest.approx(shift)
+        assert [t - u for t, u in zip(s["chunk_times"], b["chunk_times"])] == pytest.approx([shift] * 6)
+
+    # A closed loop's user sends the next call once the last one's end has reached it.
+    loop = simulate(config(), dataclasses.replace(steady, calls={"standard": [[0.010, 0.003]]}),
+                    workload(mix={"standard": 1.0}), [LoadPattern("one user", concurrency=1)], Limits(max_requests=5),
+                    progress=False)["stages"][0]["requests"]
+    assert [r["sent"] for r in loop[1:]] == pytest.approx([r["end"] for r in loop[:-1]])
+    assert all(r["first_token"] - r["sent"] > 0.013 for r in loop)
+
+
+def test_a_profile_with_calls_that_are_not_seconds_is_refused():
+    data = linear_profile().to_dict()
+    for bad in ({"fast": [[0.001]]}, {"fast": [[0.001, -1]]}, {"fast": "0.001"}, [[0.001, 0.002]],
+                {"fast": [[True, 0.001]]}):
+        with pytest.raises(ValueError, match="calls"):
+            MachineProfile.from_dict({**data, "calls": bad})
+    assert MachineProfile.from_dict({**data, "calls": {"fast": [[0.001, 0]]}}).calls == {"fast": [[0.001, 0]]}
+
+
 def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
     import dataclasses
 
@@ -213,6 +258,11 @@ def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
                       [LoadPattern("rate 20/s", rate=20.0)], Limits(max_requests=20), progress=False)
     missing = " ".join(served["simulation"]["left_out"])
     assert "n-gram drafts" not in missing and "the server's own work" not in missing
+    assert "the server's time per call" in missing and "the client's own time" in missing
+    with_calls = simulate(config(speculative_tokens=0),
+                          dataclasses.replace(linear_profile(), served=True, calls={"fast": [[0.001, 0.001]]}),
+                          workload(), [LoadPattern("rate 20/s", rate=20.0)], Limits(max_requests=20), progress=False)
+    assert "the server's time per call" not in " ".join(with_calls["simulation"]["left_out"])
     assert "Not simulated: prefix-cache hits" in render([grid])
 
 

@@ -37,6 +37,10 @@ class MachineProfile:
     # arrival, so its scheduler plans longer steps beside the fast lane than one whose steps run
     # whole. The simulated scheduler must plan as the engine's does.
     pause_layers: int = 0
+    # A served profile's streamed calls, per lane: [intake, delivery] seconds in the server beside
+    # the engine (CallTiming.overhead), which the simulator draws per call: the scheduler sees a
+    # call `intake` after it was sent, and its client each token `delivery` after it was made.
+    calls: dict[str, list[list[float]]] = field(default_factory=dict)
     notes: str = ""
 
     def to_dict(self) -> dict:
@@ -53,6 +57,9 @@ class MachineProfile:
             raise ValueError(f"a step profile with bad fields: {e}") from None
         if not profile.samples:
             raise ValueError("a step profile without samples")
+        if not isinstance(profile.calls, dict) or not all(
+                isinstance(calls, list) and all(_seconds_pair(c) for c in calls) for calls in profile.calls.values()):
+            raise ValueError("a step profile whose calls are not [intake, delivery] seconds per lane")
         return profile
 
     @classmethod
@@ -87,6 +94,11 @@ class MachineProfile:
         often left simulated standard steps 18% slower per token than the engine's, against
         11%, in sim_fidelity); fixed for the simulator's ground truth."""
         return StepTimeModel.fit(self.shapes(), refit_every=16 if adaptive else 1 << 62)
+
+
+def _seconds_pair(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value))
 
 
 def overhead_line(points: list[tuple[int, float]]) -> list[float]:

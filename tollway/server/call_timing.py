@@ -9,6 +9,7 @@ logger `tollway.access`), in the response (a client that sends `x-tollway-timing
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tollway.outputs import RequestOutput
@@ -37,6 +38,7 @@ class CallTiming:
     received: float
     validated: float | None = None
     submitted: float | None = None  # handed to the engine, past the budget and limits
+    first_sent: float | None = None  # a stream's first chunk with a token, handed to the wire
     parent: dict[str, str] = field(default_factory=dict)  # the client's W3C trace context headers
 
     def marks(self, outs: list[RequestOutput]) -> dict[str, float]:
@@ -59,6 +61,21 @@ class CallTiming:
                 marks["decode"] = max(o.time for o in outs)
         return marks
 
+    def sent(self) -> None:
+        """A stream hands a chunk with tokens to the wire: the first ends the first token's way out."""
+        if self.first_sent is None:
+            self.first_sent = time.monotonic()
+
+    def overhead(self, outs: list[RequestOutput]) -> tuple[float, float] | None:
+        """A stream's time in the server beside the engine's, in seconds: from reaching the server
+        to the engine's queue (the body read, tokenized, limits), and from its first token to that
+        token's chunk on the wire. The simulator draws these per call (LiveStats.calls). None for a
+        call that streamed no token."""
+        firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
+        if self.first_sent is None or self.submitted is None or not firsts:
+            return None
+        return self.submitted - self.received, max(0.0, self.first_sent - min(firsts))
+
     def stages(self, outs: list[RequestOutput]) -> dict[str, float]:
         """Seconds spent in each stage reached (STAGES' names)."""
         marks, seconds, last = self.marks(outs), {}, self.received
@@ -74,6 +91,8 @@ class CallTiming:
         out = {f"{name}_ms": round(s * 1e3, 3) for name, s in stages.items()}
         if "prefill" in marks:
             out["ttft_ms"] = round((marks["prefill"] - self.received) * 1e3, 3)
+        if self.first_sent is not None and "prefill" in marks:
+            out["deliver_ms"] = round(max(0.0, self.first_sent - marks["prefill"]) * 1e3, 3)  # the first token's way out
         if "decode" in marks:
             out["total_ms"] = round((marks["decode"] - self.received) * 1e3, 3)
         if outs:

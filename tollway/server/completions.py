@@ -89,6 +89,8 @@ async def _events(svc: Service, gen: Generation, include_usage: bool, echo: bool
             body = chunk_choice(gen, choice, out, choice.index not in started, echo, svc.tokenizer)
             started.add(choice.index)
             extra = {"usage": None} if include_usage else {}
+            if out.new_token_ids:
+                gen.timing.sent()
             yield event(gen.envelope([body], chunk=True, **extra))
         await svc.settle(gen)
         if include_usage:

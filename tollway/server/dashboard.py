@@ -90,7 +90,7 @@ def dashboard_router(stats: LiveStats, gatekeeper: Gatekeeper, model_name: str, 
         # between two reads takes its own from the end)
         body = {"model": model_name, "hardware": hardware_name(engine.device), "int8_max_tokens": int8_max_tokens,
                 "dense_kernel": dense_kernel, "pause_layers": engine.scheduler.config.pause_layers,
-                "total": total, "steps": steps}
+                "total": total, "steps": steps, "calls": stats.calls()}
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

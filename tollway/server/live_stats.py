@@ -80,6 +80,7 @@ class LiveStats:
         self._steps: deque[StepSample] = deque(maxlen=MAX_STEPS)
         self._ttft = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (time, seconds)
         self._tpot = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}
+        self._calls = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (intake, delivery) seconds per stream
         self._charged = self._meter_totals()
         self.num_steps = 0
         self.generated_tokens = 0
@@ -130,6 +131,12 @@ class LiveStats:
             if self.started is None:
                 self.started = now
 
+    def on_call(self, tier: str, intake: float, delivery: float) -> None:
+        """A streamed call's time in the server beside the engine's (CallTiming.overhead); from
+        the event loop."""
+        with self._lock:
+            self._calls[tier].append((intake, delivery))
+
     def snapshot(self, samples: bool = False) -> dict:
         """The dashboard's figures: the last WINDOW seconds, and the last HISTORY seconds as
         charts over time (times in seconds before now). `samples` adds the window's latencies
@@ -178,6 +185,12 @@ class LiveStats:
         with self._lock:
             total, steps = self.num_steps, list(self._steps)
         return total, [[s.time, *s.shape, s.seqs, s.seconds, sum(s.running)] for s in steps]
+
+    def calls(self) -> dict[str, list[list[float]]]:
+        """Per lane, the streamed calls' [intake, delivery] seconds kept, oldest first: what a
+        simulation adds to the engine's latencies for the server's own work on each call."""
+        with self._lock:
+            return {tier: [list(c) for c in q] for tier, q in self._calls.items() if q}
 
 
 # These three are public: a fleet's dashboard (tollway/fleet/dashboard.py) works its figures

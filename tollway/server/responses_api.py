@@ -111,6 +111,8 @@ async def _events(turn: Turn) -> AsyncIterator[str]:
             choice.absorb(out)
             chunk = chunk_choice(gen, choice, out, False, False, svc.tokenizer)
             finish_reason = chunk["finish_reason"] or finish_reason
+            if out.new_token_ids:
+                gen.timing.sent()
             for event in items.add(chunk["delta"], (chunk["logprobs"] or {}).get("content")):
                 yield numbered(event)
         await svc.settle(gen)

@@ -166,6 +166,9 @@ class Service:
             await gen.ended()
         outs, finish = gen.outputs(), gen.finish_reason()
         gen.timing.log(gen.id, gen.tier, outs, finish)
+        overhead = gen.timing.overhead(outs)
+        if overhead is not None:
+            self.stats.on_call(gen.tier, *overhead)
         if self.tracing is not None:
             prompt_tokens = sum(len(gen.prompts[p]) for p in gen.scheduled_prompts())
             self.tracing.export(gen.kind, gen.id, gen.tier, gen.timing, outs, prompt_tokens, finish)

@@ -10,7 +10,8 @@ a third short, and drawn as jitter that misfit slowed every simulated step by a 
 is each step's time over its own group's median: the machine's and the server's noise around a
 shape. The engine's time per step beside the runner is the gap between one step's end and the
 next's, less the next's runner time, wherever the first left requests running (so the engine
-went straight on)."""
+went straight on). The server's own time per streamed call, before the engine's queue and from a
+token to the wire, comes as the server kept it (/dashboard/steps' `calls`)."""
 from __future__ import annotations
 
 import math
@@ -42,7 +43,8 @@ def live_profile(body: dict, source: str) -> MachineProfile:
     return MachineProfile(f"{body['hardware']}, served", body["model"],
                           [[s.kernel, s.tokens, s.sampled, s.attention, s.chunks, t] for s, t in samples],
                           body["int8_max_tokens"], body["dense_kernel"], estimate=False, overhead=overhead,
-                          jitter=jitter, served=True, pause_layers=body.get("pause_layers", 0), notes=f"tollway profile --from {source}: {len(steps)} served steps, {len(samples)} shapes")
+                          jitter=jitter, served=True, pause_layers=body.get("pause_layers", 0),
+                          calls=body.get("calls") or {}, notes=f"tollway profile --from {source}: {len(steps)} served steps, {len(samples)} shapes")
 
 
 def _group(shape: StepShape) -> tuple:

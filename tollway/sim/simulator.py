@@ -47,7 +47,7 @@ from tollway.traffic.results import FORMAT, stage_dict
 from tollway.traffic.stats import SLO
 from tollway.traffic.workload import Workload, read_jsonl
 
-_ARRIVAL, _STEP_DONE, _STEP_STOPS = 0, 1, 2
+_ARRIVAL, _STEP_DONE, _STEP_STOPS, _ADMIT = 0, 1, 2, 3
 TOKEN_TIMES = 20_000
 
 
@@ -148,10 +148,13 @@ class Simulator:
                 replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock)
         self.route = make_router(routing)
         self.rng = random.Random(seed)
+        self._call_draws = random.Random(seed + 1)  # apart from the jitter's: a profile without calls draws the same steps
+        self._all_calls = [c for calls in machine.calls.values() for c in calls]
         self.token_times = token_times
         self._events: list = []
         self._order = 0
-        self._live: dict[str, tuple[RequestRecord, Replica, _Stage]] = {}
+        # request id -> its record, replica, stage and the seconds its tokens take to the client
+        self._live: dict[str, tuple[RequestRecord, Replica, _Stage, float]] = {}
         self._ids = 0
         self._token = seed
         self.steps: list[tuple[float, int, int, float]] = []  # (start, sequences, tokens, seconds)
@@ -189,6 +192,8 @@ class Simulator:
                 self.now = t
                 if kind == _ARRIVAL:
                     self._arrive(data)
+                elif kind == _ADMIT:
+                    self._admit(*data)
                 elif data[1] == data[0].epoch:  # else called off by a stop
                     (self._finish_step if kind == _STEP_DONE else self._stopped)(data[0])
         end = max([self.now, *(r.end for r in stage.records if r.end is not None)])
@@ -219,12 +224,31 @@ class Simulator:
             self._push(self.now + self._arrivals.gammavariate(shape_k, 1.0 / (stage.pattern.rate * shape_k)),
                        _ARRIVAL, stage)
         self._ids += 1
-        rid = f"sim-{self._ids}"
         record = RequestRecord(self._ids, stage.pattern.name, tier, warmup, prompt_tokens, max_tokens, self.now)
         stage.records.append(record)
+        intake, delivery = self._server_time(tier)
+        if intake > 0:
+            self._push(self.now + intake, _ADMIT, (record, stage, delivery))
+        else:
+            self._admit(record, stage, delivery)
+
+    def _server_time(self, tier: str) -> tuple[float, float]:
+        """A call's time in the server beside the engine, drawn from the profile's calls of its
+        lane (of any lane where it has none of that one): before the scheduler sees it, and from
+        each token to the wire; none without calls in the profile."""
+        calls = self.machine.calls.get(tier) or self._all_calls
+        if not calls:
+            return 0.0, 0.0
+        intake, delivery = self._call_draws.choice(calls)
+        return intake, delivery
+
+    def _admit(self, record: RequestRecord, stage: _Stage, delivery: float) -> None:
+        """The request reaches a replica's scheduler, past the server's intake."""
+        tier, prompt_tokens, max_tokens = record.tier, record.prompt_tokens, record.max_tokens
         # A first token of its own makes every block's hash its own (no prefix-cache hits), and
         # the rest costs nothing to make.
-        prompt = [1_000_000 + self._ids, *range(1000, 1000 + prompt_tokens - 1)]
+        rid = f"sim-{record.index}"
+        prompt = [1_000_000 + record.index, *range(1000, 1000 + prompt_tokens - 1)]
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                           tier=tier, arrival_time=self.now)
         replica = self.replicas[self.route(self.replicas, tier)]
@@ -240,7 +264,7 @@ class Simulator:
             return
         record.engine_seconds = 0.0
         replica.outstanding_tokens += prompt_tokens + max_tokens
-        self._live[rid] = (record, replica, stage)
+        self._live[rid] = (record, replica, stage, delivery)
         if replica.in_flight is None:
             self._start_step(replica)
         elif replica.run is not None and replica.scheduler.policy.fast_lane(tier):
@@ -248,12 +272,15 @@ class Simulator:
 
     def _done(self, record: RequestRecord, stage: _Stage) -> None:
         """A request ended: the closed loop's user sends the next, as a client would at once
-        (after a refusal, a millisecond later: simulated time must move)."""
+        (after a refusal, a millisecond later: simulated time must move), or once the end has
+        reached it."""
         if not record.warmup:
             self._bar.update()
         if stage.pattern.concurrency is not None and not self._trace:
             if record.error:
                 self._push(self.now + 1e-3, _ARRIVAL, stage)
+            elif record.end > self.now:
+                self._push(record.end, _ARRIVAL, stage)
             else:
                 self._arrive(stage)  # before the replica plans its next step, as the engine's callers do
 
@@ -264,10 +291,10 @@ class Simulator:
 
     def _coasted(self, replica: Replica, request: Request, first: int, last: int, offset: int) -> None:
         """A request coasted through steps first..last: bill them and stamp their tokens."""
-        record = self._live[request.request_id][0]
+        record, _, _, delivery = self._live[request.request_id]
         record.engine_seconds += replica.log.charge(first, last, offset, request.tier == "fast")
         if record.index <= self.token_times:
-            record.chunk_times.extend(replica.log.times(first, last))
+            record.chunk_times.extend(t + delivery for t in replica.log.times(first, last))
 
     def _fast_in(self, plan: StepPlan, replica: Replica) -> list[str]:
         """The fast requests the step ran: its own and, when the fast group coasted in it, that group's."""
@@ -356,14 +383,15 @@ class Simulator:
         tokens = {s.request_id: [SampledToken(self._stand_in_tokens(1)[0])] for s in plan.seqs if s.sample}
         changed = replica.scheduler.commit(plan, StepResult(plan.step_id, tokens, runner))
         for request, _ in changed:
-            record, _, stage = self._live[request.request_id]
+            record, _, stage, delivery = self._live[request.request_id]
+            seen = self.now + delivery  # when the client has it
             if record.first_token is None:
-                record.first_token = self.now
+                record.first_token = seen
             if record.index <= self.token_times and request.request_id in tokens:  # coasters' are stamped
-                record.chunk_times.append(self.now)
+                record.chunk_times.append(seen)
             if request.finished:
                 del self._live[request.request_id]
-                record.end, record.output_tokens = self.now, len(request.output_token_ids)
+                record.end, record.output_tokens = seen, len(request.output_token_ids)
                 replica.outstanding_tokens -= record.prompt_tokens + record.max_tokens
                 self._done(record, stage)
         if replica.paused is not None:  # a fast step beside it ended
@@ -415,4 +443,8 @@ def left_out(config: SchedulerConfig, machine: MachineProfile) -> list[str]:
     if not machine.served:
         missing.append("the server's own work on the same cores (HTTP, streaming, detokenizing): the profile "
                        "times the runner alone; `tollway profile --from URL` fits one to a server's own steps")
+    if not machine.calls:
+        missing.append("the server's time per call beside the engine (reading, tokenizing and checking a request; "
+                       "each token's way to the wire): a profile from a server that streamed calls draws it")
+    missing.append("the network and the client's own time per call (sending it, reading the stream)")
     return missing
