@@ -50,7 +50,7 @@ from tollway.sim.live_profile import live_profile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 from tollway.text.tokenizer import Tokenizer  # noqa: E402
 from tollway.traffic.patterns import Limits, LoadPattern  # noqa: E402
-from tollway.traffic.stats import SLO, summarize  # noqa: E402
+from tollway.traffic.stats import SLO, percentile, summarize  # noqa: E402
 from tollway.traffic.workload import Lengths, Requests, Workload  # noqa: E402
 
 FULL = dict(loads=(0.3, 0.6, 0.9, 1.1), requests=300, warmup=5.0, prompt=100, output=96,
@@ -121,7 +121,8 @@ def run(s: dict, quick: bool) -> dict:
             "settings": {k: v for k, v in s.items()}, "server_config": SERVER_CONFIG, "sim_seeds": SIM_SEEDS,
             "capacity": served["capacity"],
             "profiles": {name: {"hardware": p.hardware, "steps": len(p.samples), "overhead": p.overhead,
-                                "jitter_mean": statistics.fmean(p.jitter), "drift": p.drift()}
+                                "jitter_mean": statistics.fmean(p.jitter), "drift": p.drift(),
+                                "per_call": _per_call({}, p.calls)}
                          for name, p in profiles.items()},
             "loads": loads, "targets": targets}
 
@@ -150,11 +151,14 @@ async def _serve_loads(url: str, workload: Workload, s: dict) -> dict:
         for share in tqdm(s["loads"], desc="serving the loads", unit="load"):
             rate, load_workload = share * capacity["requests_per_s"], _stage_workload(workload, share)
             async with httpx.AsyncClient() as http:
-                first = (await http.get(url + "/dashboard/steps", timeout=60)).json()["total"]
-            stage = await run_stage(client, Requests(load_workload, tokenizer), LoadPattern(f"{share:.0%}", rate=rate),
-                                    Limits(max_requests=s["requests"], warmup=s["warmup"]), clock)
-            loads.append({"name": f"{share:.0%}", "share": share, "rate": rate, "first_step": first,
-                          "served": _figures(summarize(stage.records, SLO({}), None))})
+                before = (await http.get(url + "/dashboard/steps", timeout=60)).json()
+                stage = await run_stage(client, Requests(load_workload, tokenizer),
+                                        LoadPattern(f"{share:.0%}", rate=rate),
+                                        Limits(max_requests=s["requests"], warmup=s["warmup"]), clock)
+                after = (await http.get(url + "/dashboard/steps", timeout=60)).json()
+            loads.append({"name": f"{share:.0%}", "share": share, "rate": rate, "first_step": before["total"],
+                          "served": _figures(summarize(stage.records, SLO({}), None)),
+                          "server_per_call": _per_call(before["calls"], after["calls"])})
     finally:
         await client.close()
     return {"capacity": capacity, "loads": loads, "calibration": calibration}
@@ -165,6 +169,21 @@ def _stage_workload(workload: Workload, key: float) -> Workload:
     prompt served before would be a prefix-cache hit, which the simulator does not model), and a
     load's simulation draws the same lanes in the same order as its served run."""
     return dataclasses.replace(workload, seed=workload.seed + round(key * 1000))
+
+
+def _per_call(before: dict, after: dict) -> dict:
+    """Per lane, the p50 and p99 of the server's time beside the engine (ms) over the calls a
+    load streamed: intake (reaching the server to the engine's queue), delivery (a token to the
+    wire), and both. The server keeps the latest calls; a load's are those past the count before it."""
+    out = {}
+    for tier, calls in after.items():
+        new = calls[len(before.get(tier, [])):]
+        if new:
+            out[tier] = {name: {"p50": percentile(values, 0.5) * 1e3, "p99": percentile(values, 0.99) * 1e3}
+                         for name, values in (("intake", [c[0] for c in new]), ("delivery", [c[1] for c in new]),
+                                              ("both", [c[0] + c[1] for c in new]))}
+            out[tier]["held_p50"] = percentile([c[2] for c in new], 0.5)
+    return out
 
 
 def _served_step_figures(steps: list[list]) -> dict | None:
@@ -230,7 +249,9 @@ def markdown(r: dict, raw: str) -> str:
         drift = p.get("drift")
         lines.append(f"- profile `{name}`: {p['hardware']}, {p['steps']} steps, engine time per step "
                      f"{p['overhead'][0] * 1e3:.2f} ms + {p['overhead'][1] * 1e3:.3f} ms a sequence, jitter mean "
-                     f"{p['jitter_mean']:.2f}" + ("" if drift is None else f", drifted {drift:+.1%} while taken"))
+                     f"{p['jitter_mean']:.2f}" + ("" if drift is None else f", drifted {drift:+.1%} while taken")
+                     + "".join(f"; {tier} calls' server time p50 {c['both']['p50']:.1f} ms"
+                               for tier, c in p.get("per_call", {}).items()))
     lines += ["", "Each cell: served / simulated on the grid profile / on the served profile (ms, or tok/s), then "
               "the two errors.", "",
               "| load | lane | " + " | ".join(f"{k.upper()} {q}" for k, q in FIGURES) + " | output tok/s |",
@@ -246,6 +267,14 @@ def markdown(r: dict, raw: str) -> str:
                 cells.append(" / ".join("–" if v is None else f"{v * scale:.0f}" for v in values) + " ("
                              + ", ".join("–" if e is None else f"{e:+.0%}" for e in errs) + ")")
             lines.append(f"| {load['name']} ({load['rate']:.2f}/s) | {tier} ({t['requests']}) | " + " | ".join(cells) + " |")
+    lines += ["", "The server's time per call beside the engine, as it kept it (intake + the first token's way "
+              "out, p50 / p99 ms); the served profile draws its calls', and the client's own time is in no profile:", ""]
+    for load in r["loads"]:
+        per_call = load.get("server_per_call") or {}
+        lines.append(f"- {load['name']}: " + "; ".join(
+            f"{tier} {c['intake']['p50']:.1f} + {c['delivery']['p50']:.1f} (p99 {c['both']['p99']:.1f}) "
+            f"at {c['held_p50']:.0f} requests held"
+            for tier, c in per_call.items()))
     lines += ["", "Steps, served / grid / served profile (steps/s, sequences and tokens per step, ms per step):", ""]
     for load in r["loads"]:
         sides = [load["served_steps"], load["simulated_steps"]["grid"], load["simulated_steps"]["served"]]

@@ -159,7 +159,8 @@ def test_a_streams_time_beside_the_engine_is_its_intake_and_its_first_tokens_way
     out = _out(arrival_time=10.004, first_scheduled_time=10.01, first_token_time=10.05)
     assert timing.overhead([out]) is None  # nothing streamed yet
     timing.first_sent = 10.0515
-    assert timing.overhead([out]) == pytest.approx((0.003, 0.0015))
+    timing.held = 7
+    assert timing.overhead([out]) == pytest.approx((0.003, 0.0015, 7))
     assert timing.summary([out])["deliver_ms"] == pytest.approx(1.5)
     assert timing.overhead([_out(arrival_time=10.004)]) is None  # no token
     timing.sent()  # later chunks leave the first one's mark as it was

@@ -304,7 +304,9 @@ def test_a_profile_fitted_to_the_servers_own_steps_simulates_its_run(server, def
     # Each streamed call's time in the server beside the engine, per lane, which the simulator draws.
     assert set(body["calls"]) == {"fast", "standard"} and profile.calls == body["calls"]
     calls = [c for lane in body["calls"].values() for c in lane]
-    assert len(calls) >= 40 and all(0 < intake < 1 and 0 <= delivery < 1 for intake, delivery in calls)
+    assert len(calls) >= 40 and all(0 < intake < 1 and 0 <= delivery < 1 and 0 <= held <= 6
+                                    for intake, delivery, held in calls)
+    assert max(held for *_, held in calls) >= 3  # a closed loop of 6 users keeps the engine busy
     model = profile.step_model(adaptive=False)
     # The served steps' time as the simulator draws it (the fit to each shape's median, times the
     # noise around the medians on average), step by step, within 15% in all.

@@ -209,7 +209,7 @@ def test_the_servers_time_per_call_delays_what_the_scheduler_sees_and_what_the_c
     from tollway.sim.simulator import TraceRow
 
     steady = linear_profile(jitter=(1.0,))
-    calls = {"fast": [[0.004, 0.002]], "standard": [[0.010, 0.003]]}
+    calls = {"fast": [[0.004, 0.002, 0]], "standard": [[0.010, 0.003, 0]]}
     trace = [TraceRow(1.0 * i, tier, 40, 6) for i, tier in enumerate(["fast", "standard", "batch", "fast"])]
 
     def records(profile):
@@ -225,12 +225,12 @@ def test_the_servers_time_per_call_delays_what_the_scheduler_sees_and_what_the_c
         if row.tier == "batch":
             assert any(shift == pytest.approx(p) for p in pooled)
         else:
-            assert shift == pytest.approx(sum(calls[row.tier][0]))
+            assert shift == pytest.approx(sum(calls[row.tier][0][:2]))
         assert s["end"] - b["end"] == pytest.approx(shift)
         assert [t - u for t, u in zip(s["chunk_times"], b["chunk_times"])] == pytest.approx([shift] * 6)
 
     # A closed loop's user sends the next call once the last one's end has reached it.
-    loop = simulate(config(), dataclasses.replace(steady, calls={"standard": [[0.010, 0.003]]}),
+    loop = simulate(config(), dataclasses.replace(steady, calls={"standard": [[0.010, 0.003, 1]]}),
                     workload(mix={"standard": 1.0}), [LoadPattern("one user", concurrency=1)], Limits(max_requests=5),
                     progress=False)["stages"][0]["requests"]
     assert [r["sent"] for r in loop[1:]] == pytest.approx([r["end"] for r in loop[:-1]])
@@ -239,11 +239,26 @@ def test_the_servers_time_per_call_delays_what_the_scheduler_sees_and_what_the_c
 
 def test_a_profile_with_calls_that_are_not_seconds_is_refused():
     data = linear_profile().to_dict()
-    for bad in ({"fast": [[0.001]]}, {"fast": [[0.001, -1]]}, {"fast": "0.001"}, [[0.001, 0.002]],
-                {"fast": [[True, 0.001]]}):
+    for bad in ({"fast": [[0.001, 0.001]]}, {"fast": [[0.001, -1, 0]]}, {"fast": "0.001"}, [[0.001, 0.002, 0]],
+                {"fast": [[True, 0.001, 0]]}, {"fast": [[0.001, 0.001, 1.5]]}):
         with pytest.raises(ValueError, match="calls"):
             MachineProfile.from_dict({**data, "calls": bad})
-    assert MachineProfile.from_dict({**data, "calls": {"fast": [[0.001, 0]]}}).calls == {"fast": [[0.001, 0]]}
+    assert MachineProfile.from_dict({**data, "calls": {"fast": [[0.001, 0, 3]]}}).calls == {"fast": [[0.001, 0, 3]]}
+
+
+def test_a_call_draws_the_servers_time_of_calls_made_as_busy():
+    from tollway.sim.server_time import MIN_CALLS, ServerTime
+
+    quiet, busy = [[0.002, 0.001, 2]] * MIN_CALLS, [[0.008, 0.004, 40]] * MIN_CALLS
+    drawn = ServerTime({"standard": quiet + busy, "fast": [[0.001, 0.0005, 33]]}, seed=1)
+    assert drawn.draw("standard", 0) == drawn.draw("standard", 3) == (0.002, 0.001)
+    assert drawn.draw("standard", 32) == drawn.draw("standard", 500) == (0.008, 0.004)
+    assert drawn.draw("fast", 1) == (0.001, 0.0005)  # its lane's only calls, however few
+    assert drawn.draw("batch", 40) == (0.008, 0.004)  # a lane with none: every lane's
+    # a busyness with too few calls kept draws from the nearest with enough
+    sparse = ServerTime({"standard": quiet + [[0.5, 0.5, 40]]}, seed=1)
+    assert {sparse.draw("standard", 40) for _ in range(20)} == {(0.002, 0.001)}
+    assert ServerTime({}, seed=1).draw("fast", 9) == (0.0, 0.0)
 
 
 def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
@@ -260,7 +275,7 @@ def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
     assert "n-gram drafts" not in missing and "the server's own work" not in missing
     assert "the server's time per call" in missing and "the client's own time" in missing
     with_calls = simulate(config(speculative_tokens=0),
-                          dataclasses.replace(linear_profile(), served=True, calls={"fast": [[0.001, 0.001]]}),
+                          dataclasses.replace(linear_profile(), served=True, calls={"fast": [[0.001, 0.001, 0]]}),
                           workload(), [LoadPattern("rate 20/s", rate=20.0)], Limits(max_requests=20), progress=False)
     assert "the server's time per call" not in " ".join(with_calls["simulation"]["left_out"])
     assert "Not simulated: prefix-cache hits" in render([grid])

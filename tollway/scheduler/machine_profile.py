@@ -38,8 +38,9 @@ class MachineProfile:
     # whole. The simulated scheduler must plan as the engine's does.
     pause_layers: int = 0
     # A served profile's streamed calls, per lane: [intake, delivery] seconds in the server beside
-    # the engine (CallTiming.overhead), which the simulator draws per call: the scheduler sees a
-    # call `intake` after it was sent, and its client each token `delivery` after it was made.
+    # the engine and the requests the engine held then (CallTiming.overhead), which the simulator
+    # draws per call, from calls made as busy: the scheduler sees a call `intake` after it was
+    # sent, and its client each token `delivery` after it was made.
     calls: dict[str, list[list[float]]] = field(default_factory=dict)
     notes: str = ""
 
@@ -58,8 +59,9 @@ class MachineProfile:
         if not profile.samples:
             raise ValueError("a step profile without samples")
         if not isinstance(profile.calls, dict) or not all(
-                isinstance(calls, list) and all(_seconds_pair(c) for c in calls) for calls in profile.calls.values()):
-            raise ValueError("a step profile whose calls are not [intake, delivery] seconds per lane")
+                isinstance(calls, list) and all(_call(c) for c in calls) for calls in profile.calls.values()):
+            raise ValueError("a step profile whose calls are not [intake seconds, delivery seconds, requests held] "
+                             "per lane")
         return profile
 
     @classmethod
@@ -96,8 +98,8 @@ class MachineProfile:
         return StepTimeModel.fit(self.shapes(), refit_every=16 if adaptive else 1 << 62)
 
 
-def _seconds_pair(value) -> bool:
-    return (isinstance(value, list) and len(value) == 2
+def _call(value) -> bool:
+    return (isinstance(value, list) and len(value) == 3 and isinstance(value[2], int)
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value))
 
 

@@ -112,6 +112,11 @@ class Scheduler:
         return list(self._entries)
 
     @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self._entries)
+
+    @property
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 

@@ -39,6 +39,7 @@ class CallTiming:
     validated: float | None = None
     submitted: float | None = None  # handed to the engine, past the budget and limits
     first_sent: float | None = None  # a stream's first chunk with a token, handed to the wire
+    held: int = 0  # requests the engine held (running or waiting) when the call was handed to it
     parent: dict[str, str] = field(default_factory=dict)  # the client's W3C trace context headers
 
     def marks(self, outs: list[RequestOutput]) -> dict[str, float]:
@@ -66,15 +67,16 @@ class CallTiming:
         if self.first_sent is None:
             self.first_sent = time.monotonic()
 
-    def overhead(self, outs: list[RequestOutput]) -> tuple[float, float] | None:
+    def overhead(self, outs: list[RequestOutput]) -> tuple[float, float, int] | None:
         """A stream's time in the server beside the engine's, in seconds: from reaching the server
         to the engine's queue (the body read, tokenized, limits), and from its first token to that
-        token's chunk on the wire. The simulator draws these per call (LiveStats.calls). None for a
-        call that streamed no token."""
+        token's chunk on the wire; with the requests the engine held, since both grow with the
+        streams the server's loop serves. The simulator draws these per call (LiveStats.calls).
+        None for a call that streamed no token."""
         firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
         if self.first_sent is None or self.submitted is None or not firsts:
             return None
-        return self.submitted - self.received, max(0.0, self.first_sent - min(firsts))
+        return self.submitted - self.received, max(0.0, self.first_sent - min(firsts)), self.held
 
     def stages(self, outs: list[RequestOutput]) -> dict[str, float]:
         """Seconds spent in each stage reached (STAGES' names)."""

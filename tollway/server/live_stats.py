@@ -80,7 +80,7 @@ class LiveStats:
         self._steps: deque[StepSample] = deque(maxlen=MAX_STEPS)
         self._ttft = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (time, seconds)
         self._tpot = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}
-        self._calls = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (intake, delivery) seconds per stream
+        self._calls = {t: deque(maxlen=MAX_SAMPLES) for t in TIERS}  # (intake, delivery seconds, held) per stream
         self._charged = self._meter_totals()
         self.num_steps = 0
         self.generated_tokens = 0
@@ -131,11 +131,11 @@ class LiveStats:
             if self.started is None:
                 self.started = now
 
-    def on_call(self, tier: str, intake: float, delivery: float) -> None:
+    def on_call(self, tier: str, intake: float, delivery: float, held: int) -> None:
         """A streamed call's time in the server beside the engine's (CallTiming.overhead); from
         the event loop."""
         with self._lock:
-            self._calls[tier].append((intake, delivery))
+            self._calls[tier].append((intake, delivery, held))
 
     def snapshot(self, samples: bool = False) -> dict:
         """The dashboard's figures: the last WINDOW seconds, and the last HISTORY seconds as
@@ -187,8 +187,9 @@ class LiveStats:
         return total, [[s.time, *s.shape, s.seqs, s.seconds, sum(s.running)] for s in steps]
 
     def calls(self) -> dict[str, list[list[float]]]:
-        """Per lane, the streamed calls' [intake, delivery] seconds kept, oldest first: what a
-        simulation adds to the engine's latencies for the server's own work on each call."""
+        """Per lane, the streamed calls kept, oldest first, [intake seconds, delivery seconds,
+        requests the engine held]: what a simulation adds to the engine's latencies for the
+        server's own work on each call, as busy as the server was."""
         with self._lock:
             return {tier: [list(c) for c in q] for tier, q in self._calls.items() if q}
 

@@ -125,6 +125,8 @@ class Service:
                 gen.metered = True
                 gen.tabs = [Tab() for _ in range(sub.num_requests)]
             gen.timing.submitted = time.monotonic()
+            held = self.engine.occupancy
+            gen.timing.held = sum(held.running.values()) + sum(held.waiting.values())
             await gen.start(self.engine, sub)
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError) and (gen.metered or meter is None):

@@ -39,6 +39,7 @@ from tollway.scheduler.scheduler import Scheduler
 from tollway.sim.coasting import Coasting
 from tollway.sim.coasting_groups import CoastingGroups, CoastingPlan
 from tollway.sim.routing import make_router
+from tollway.sim.server_time import ServerTime
 from tollway.sim.step_log import StepLog
 from tollway.sim.step_series import step_series
 from tollway.traffic.patterns import Limits, LoadPattern, Stage
@@ -148,8 +149,7 @@ class Simulator:
                 replica.scheduler = Scheduler(copy.deepcopy(config), machine.step_model(), clock)
         self.route = make_router(routing)
         self.rng = random.Random(seed)
-        self._call_draws = random.Random(seed + 1)  # apart from the jitter's: a profile without calls draws the same steps
-        self._all_calls = [c for calls in machine.calls.values() for c in calls]
+        self.server_time = ServerTime(machine.calls, seed + 1)  # apart from the jitter's draws
         self.token_times = token_times
         self._events: list = []
         self._order = 0
@@ -226,24 +226,17 @@ class Simulator:
         self._ids += 1
         record = RequestRecord(self._ids, stage.pattern.name, tier, warmup, prompt_tokens, max_tokens, self.now)
         stage.records.append(record)
-        intake, delivery = self._server_time(tier)
+        replica = self.replicas[self.route(self.replicas, tier)]
+        # The server's time on the call beside the engine: before its scheduler sees it, and
+        # from each token to the client.
+        intake, delivery = self.server_time.draw(tier, replica.scheduler.num_unfinished)
         if intake > 0:
-            self._push(self.now + intake, _ADMIT, (record, stage, delivery))
+            self._push(self.now + intake, _ADMIT, (record, stage, replica, delivery))
         else:
-            self._admit(record, stage, delivery)
+            self._admit(record, stage, replica, delivery)
 
-    def _server_time(self, tier: str) -> tuple[float, float]:
-        """A call's time in the server beside the engine, drawn from the profile's calls of its
-        lane (of any lane where it has none of that one): before the scheduler sees it, and from
-        each token to the wire; none without calls in the profile."""
-        calls = self.machine.calls.get(tier) or self._all_calls
-        if not calls:
-            return 0.0, 0.0
-        intake, delivery = self._call_draws.choice(calls)
-        return intake, delivery
-
-    def _admit(self, record: RequestRecord, stage: _Stage, delivery: float) -> None:
-        """The request reaches a replica's scheduler, past the server's intake."""
+    def _admit(self, record: RequestRecord, stage: _Stage, replica: Replica, delivery: float) -> None:
+        """The request reaches its replica's scheduler, past the server's intake."""
         tier, prompt_tokens, max_tokens = record.tier, record.prompt_tokens, record.max_tokens
         # A first token of its own makes every block's hash its own (no prefix-cache hits), and
         # the rest costs nothing to make.
@@ -251,7 +244,6 @@ class Simulator:
         prompt = [1_000_000 + record.index, *range(1000, 1000 + prompt_tokens - 1)]
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                           tier=tier, arrival_time=self.now)
-        replica = self.replicas[self.route(self.replicas, tier)]
         try:
             replica.scheduler.add(request)
         except QueueFullError as e:
