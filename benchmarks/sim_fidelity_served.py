@@ -46,6 +46,7 @@ from tollway.bench.load import run_stage  # noqa: E402
 from tollway.checkpoint import DEFAULT_MODEL, tokenizer_path  # noqa: E402
 from tollway.config import load_config  # noqa: E402
 from tollway.scheduler.machine_profile import MachineProfile  # noqa: E402
+from tollway.scheduler.step_model import StepShape  # noqa: E402
 from tollway.sim.live_profile import live_profile  # noqa: E402
 from tollway.sim.simulator import simulate  # noqa: E402
 from tollway.text.tokenizer import Tokenizer  # noqa: E402
@@ -90,10 +91,12 @@ def run(s: dict, quick: bool) -> dict:
     # Step counts are the server's totals; the steps it kept are the last of them.
     offset = steps["total"] - len(steps["steps"])
     ends = [load["first_step"] for load in served["loads"][1:]] + [steps["total"]]
-    for load, end in zip(served["loads"], ends):
-        load["served_steps"] = _served_step_figures(steps["steps"][max(0, load.pop("first_step") - offset):end - offset])
     # The served profile: the capacity run's steps only, what the machine did before the loads.
     profiles = {"grid": grid, "served": live_profile(served.pop("calibration"), "the ramp and the capacity run")}
+    for load, end in zip(served["loads"], ends):
+        kept = steps["steps"][max(0, load.pop("first_step") - offset):end - offset]
+        load["served_steps"] = _served_step_figures(kept)
+        load["steps_over_profile"] = {name: _over_profile(kept, p) for name, p in profiles.items()}
     profiles["served"].save(out / "sim_fidelity_served-served-profile.json")  # for a look at it afterwards
     # Goal 2: a second grid profile, minutes after the first (the loads ran between them), must
     # predict every figure within 5% of what the first predicts.
@@ -197,6 +200,14 @@ def _served_step_figures(steps: list[list]) -> dict | None:
             "seconds_per_step": statistics.fmean(s[7] for s in steps)}
 
 
+def _over_profile(steps: list[list], profile: MachineProfile) -> float | None:
+    """The median of a load's served steps' runner time over what the profile's fit says for their
+    shapes: how far the machine and the server's work on it sat from the profile during that load."""
+    model = profile.step_model(adaptive=False)
+    ratios = [s[7] / model.predict(StepShape(*s[1:6])) for s in steps]
+    return statistics.median(ratios) if ratios else None
+
+
 def _figures(summary: dict) -> dict:
     """Per tier: TTFT and TPOT at p50 and p99 (seconds), and the output tok/s; and the whole run's."""
     tiers = {tier: {f"{kind}_{q}": t[kind][q] for kind, q in FIGURES} | {"output_tok_s": t["output_tok_s"],
@@ -281,7 +292,9 @@ def markdown(r: dict, raw: str) -> str:
         lines.append(f"- {load['name']}: " + "; ".join(
             " / ".join("–" if side is None or side[k] is None else f"{side[k] * scale:.{digits}f}" for side in sides)
             for k, scale, digits in (("steps_per_s", 1, 1), ("seqs_per_step", 1, 1), ("tokens_per_step", 1, 1),
-                                     ("seconds_per_step", 1e3, 1))))
+                                     ("seconds_per_step", 1e3, 1)))
+            + "".join(f"; served steps over the {name} profile's fit, median {ratio:.2f}"
+                      for name, ratio in (load.get("steps_over_profile") or {}).items() if ratio is not None))
     if all("grid_again_vs_grid" in load for load in r["loads"]):
         lines += ["", "Two grid profiles minutes apart (`grid`, before the loads, and `grid, again`, after them): "
                   "what the second predicts against the first, over every lane's eight latency figures and "
