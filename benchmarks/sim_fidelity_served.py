@@ -284,7 +284,7 @@ def markdown(r: dict, raw: str) -> str:
         per_call = load.get("server_per_call") or {}
         lines.append(f"- {load['name']}: " + "; ".join(
             f"{tier} {c['intake']['p50']:.1f} + {c['delivery']['p50']:.1f} (p99 {c['both']['p99']:.1f}) "
-            f"at {c['held_p50']:.0f} requests held"
+            f"with {c['held_p50']:.0f} held"
             for tier, c in per_call.items()))
     lines += ["", "Steps, served / grid / served profile (steps/s, sequences and tokens per step, ms per step):", ""]
     for load in r["loads"]:
