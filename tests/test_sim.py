@@ -281,6 +281,30 @@ def test_a_simulation_says_what_it_leaves_out_and_the_report_shows_it():
     assert "Not simulated: prefix-cache hits" in render([grid])
 
 
+def test_a_served_profiles_jitter_is_drawn_in_runs_of_steps_as_they_ran():
+    """A served machine's slow spells last tens of steps: drawn alone, a step's jitter would
+    average out over a request's tokens, and its TPOT tail would be too thin."""
+    import dataclasses
+
+    from tollway.sim.simulator import JITTER_RUN, Simulator
+
+    spells = [1.0] * 200 + [2.0] * 200  # a quick spell, then a slow one
+
+    def switches(served: bool) -> tuple[int, int]:
+        profile = dataclasses.replace(linear_profile(), jitter=spells, served=served, overhead=[0.0, 0.0])
+        sim = Simulator(config(), profile, seed=3)
+        long_outputs = Workload(Lengths(16, 0, 16, 16), Lengths(400, 0, 400, 400), True, {"standard": 1.0}, None, 5)
+        sim.run_stage(long_outputs, LoadPattern("one user", concurrency=1), Limits(max_requests=3), progress=False)
+        decodes = [seconds for _, seqs, tokens, seconds in sim.steps if tokens == 1]
+        slow = [s > 1.5 * min(decodes) for s in decodes]
+        return sum(a != b for a, b in zip(slow, slow[1:])), len(decodes)
+
+    changed, steps = switches(served=True)
+    assert steps > 1000 and changed < 3 * steps / JITTER_RUN  # in runs: a switch at most every new run
+    changed, steps = switches(served=False)
+    assert changed > steps / 4  # drawn alone: about every other step
+
+
 def test_a_profile_says_how_far_the_machine_drifted_while_it_was_measured():
     import dataclasses
 

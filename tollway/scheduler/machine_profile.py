@@ -27,7 +27,7 @@ class MachineProfile:
     estimate: bool  # True: built from specs, not measured
     # Engine time per step beside the runner: seconds = a + b * sequences in the step.
     overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    jitter: list[float] = field(default_factory=list)  # measured / fitted time of profiled steps
+    jitter: list[float] = field(default_factory=list)  # measured / fitted time of profiled steps, in the order they ran
     usd_per_hour: float | None = None  # one replica's price, where known
     kv_tokens: int | None = None  # KV cache capacity, where the profile knows it (sets num_blocks)
     # Fitted to a server's own steps (tollway profile --from): its HTTP and streaming work on the

@@ -2,8 +2,9 @@
 as `tollway bench`, with a step-time profile standing in for the runner.
 
 Each replica loops plan -> "execute" -> commit, as the engine does; a step takes the profile's
-predicted time for its shape, times a draw from the measured jitter, plus the engine's own
-time per step. The schedulers keep their own adaptive step models, as on a real machine.
+predicted time for its shape, times a draw from the measured jitter (in runs of consecutive
+steps, for a served profile: a slow spell slows a request's every token), plus the engine's own
+time per step, and a served profile's calls add the server's own time per call. The schedulers keep their own adaptive step models, as on a real machine.
 Every step is metered by the real attribution code, so a simulated request carries the engine
 seconds a real one would be billed for. The output is a bench result: the same JSON and HTML
 report as a measured run.
@@ -50,6 +51,10 @@ from tollway.traffic.workload import Workload, read_jsonl
 
 _ARRIVAL, _STEP_DONE, _STEP_STOPS, _ADMIT = 0, 1, 2, 3
 TOKEN_TIMES = 20_000
+# A served profile's jitter is drawn in runs of consecutive steps as they ran, about this many
+# long: a served machine's slow spells last tens of steps (its steps' jitter correlated 0.44 at
+# 10 steps apart, 0.14 at 50, in sim_fidelity_served), and slow every token of a request in one.
+JITTER_RUN = 50
 
 
 @dataclass
@@ -83,6 +88,7 @@ class Replica:
     readiness_seconds: float = 0.0  # capacity held idle for the fast lane, not yet charged (as meter.py)
     run: LayerRun | None = None  # the layers in flight, where they may stop for a fast arrival
     paused: PausedStep | None = None
+    jitter_at: int | None = None  # where in a served profile's jitter its steps are drawn from
     epoch: int = 0  # a step's end or stop scheduled under an older epoch was called off
 
 
@@ -304,7 +310,7 @@ class Simulator:
             else:
                 replica.in_flight = None
             return
-        runner = self.truth.predict(plan.shape) * (self.rng.choice(self.machine.jitter) if self.machine.jitter else 1.0)
+        runner = self.truth.predict(plan.shape) * self._jitter(replica)
         seconds = runner + self.machine.overhead[0] + self.machine.overhead[1] * num_seqs
         replica.in_flight = (plan, runner)
         replica.busy_seconds += seconds
@@ -314,6 +320,21 @@ class Simulator:
         replica.run = LayerRun(self.now + seconds - runner, runner / layers, layers, layers) \
             if replica.paused is None and replica.scheduler.may_pause(plan) else None
         self._push(self.now + seconds, _STEP_DONE, (replica, replica.epoch))
+
+    def _jitter(self, replica: Replica) -> float:
+        """A step's time over its shape's fit: drawn alone from a grid profile's (ordered by
+        shape), and in runs (JITTER_RUN) from a served profile's, which are in the order the
+        steps ran."""
+        jitter = self.machine.jitter
+        if not jitter:
+            return 1.0
+        if not self.machine.served:
+            return self.rng.choice(jitter)
+        if replica.jitter_at is None or self.rng.random() < 1 / JITTER_RUN:
+            replica.jitter_at = self.rng.randrange(len(jitter))
+        else:
+            replica.jitter_at = (replica.jitter_at + 1) % len(jitter)
+        return jitter[replica.jitter_at]
 
     # ---- a step paused between layers for a fast arrival (Engine.step, _beside_paused) ------
 
