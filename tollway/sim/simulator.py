@@ -4,7 +4,8 @@ as `tollway bench`, with a step-time profile standing in for the runner.
 Each replica loops plan -> "execute" -> commit, as the engine does; a step takes the profile's
 predicted time for its shape, times a draw from the measured jitter (in runs of consecutive
 steps, for a served profile: a slow spell slows a request's every token), plus the engine's own
-time per step, and a served profile's calls add the server's own time per call. The schedulers keep their own adaptive step models, as on a real machine.
+time per step; a served profile's calls add the server's own time per call (server_time.py).
+The schedulers keep their own adaptive step models, as on a real machine.
 Every step is metered by the real attribution code, so a simulated request carries the engine
 seconds a real one would be billed for. The output is a bench result: the same JSON and HTML
 report as a measured run.
