@@ -2,7 +2,7 @@
 a served profile kept (MachineProfile.calls) of its lane, made while the engine held about as
 many requests. Reading, tokenizing and checking a call and writing its tokens to the wire run on
 the server's event loop, which also streams every other running request, so they take longer
-the busier the server is (on 2 cores, about 4 ms a call at 3 streams and 9 ms at 32)."""
+the busier the server is (sim_fidelity_served.py reports them by load)."""
 from __future__ import annotations
 
 import random

@@ -53,8 +53,9 @@ from tollway.traffic.workload import Workload, read_jsonl
 _ARRIVAL, _STEP_DONE, _STEP_STOPS, _ADMIT = 0, 1, 2, 3
 TOKEN_TIMES = 20_000
 # A served profile's jitter is drawn in runs of consecutive steps as they ran, about this many
-# long: a served machine's slow spells last tens of steps (its steps' jitter correlated 0.44 at
-# 10 steps apart, 0.14 at 50, in sim_fidelity_served), and slow every token of a request in one.
+# long: a served machine's slow spells last tens of steps (its steps' jitter stays correlated
+# over a few tens of steps apart, and fades by about this many), and slow every token of a
+# request in one.
 JITTER_RUN = 50
 
 
